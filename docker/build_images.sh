@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Build the Pagoda images: pagoda:cpu (and pagoda:cuda with VARIANTS="cpu cuda").
+# Env:
+#   VARIANTS                 "cpu" (default), "cuda" or "cpu cuda"
+#   PAGODA_BASE_IMAGE        CPU base (default python:3.11-slim-bookworm); with no registry:
+#                            docker/make_base_image.sh, then PAGODA_BASE_IMAGE=pagoda-base:bookworm
+#   PAGODA_CUDA_BASE_IMAGE   CUDA base (default nvidia/cuda:13.0.2-runtime-ubuntu24.04)
+#   PAGODA_IMAGE_PREFIX      image name (default pagoda): tags <prefix>:cpu, <prefix>:cuda
+#   PAGODA_PIP_INDEX_URL / PAGODA_PIP_EXTRA_INDEX_URL / PAGODA_PIP_TRUSTED_HOST / TORCH_CPU_INDEX_URL
+#                            passed as build arguments when set
+#   DOCKER_BUILD_FLAGS       extra flags for docker build (e.g. --no-cache)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VARIANTS=${VARIANTS:-cpu}
+PREFIX=${PAGODA_IMAGE_PREFIX:-pagoda}
+docker/prepare_build_context.sh >/dev/null
+
+args=()
+for v in PAGODA_PIP_INDEX_URL PAGODA_PIP_EXTRA_INDEX_URL PAGODA_PIP_TRUSTED_HOST TORCH_CPU_INDEX_URL; do
+  if [ -n "${!v:-}" ]; then args+=(--build-arg "$v=${!v}"); fi
+done
+for variant in $VARIANTS; do
+  case $variant in
+    cpu)  base=${PAGODA_BASE_IMAGE:-python:3.11-slim-bookworm} ;;
+    cuda) base=${PAGODA_CUDA_BASE_IMAGE:-nvidia/cuda:13.0.2-runtime-ubuntu24.04} ;;
+    *) echo "unknown variant $variant" >&2; exit 2 ;;
+  esac
+  echo "== building $PREFIX:$variant on $base"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  docker build ${DOCKER_BUILD_FLAGS:-} -f Dockerfile -t "$PREFIX:$variant" \
+    --build-arg VARIANT="$variant" --build-arg BASE_IMAGE="$base" "${args[@]}" .
+  echo "== $PREFIX:$variant built in $(( $(date +%s) - start ))s"
+  docker image ls "$PREFIX:$variant"
+done

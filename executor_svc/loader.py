@@ -1,0 +1,223 @@
+"""Load a Hugging Face directory (config.json + *.safetensors) into a `DecoderModel`.
+
+Only the config is read through transformers (`AutoConfig`, local directory, no hub);
+weights are streamed tensor by tensor from safetensors straight into the model's
+parameters, on the target device and dtype. No transformers model is instantiated.
+
+Supported: Llama-family decoders (`LlamaForCausalLM`, `MistralForCausalLM`,
+`Qwen2ForCausalLM`): q/k/v bias (Qwen2), tied or untied embeddings, RoPE types whose
+inverse frequencies do not depend on the sequence length (default, linear, llama3,
+yarn). Sliding-window attention (Mistral, Qwen2 `use_sliding_window`) is ignored: every
+layer attends to the full context, which matches a windowed model only while sequences
+are shorter than the window.
+
+Checkpoint names map onto the merged projections::
+
+    model.layers.N.self_attn.{q,k,v}_proj.{weight,bias}  ->  layers.N.qkv_proj  rows [q | k | v]
+    model.layers.N.mlp.{gate,up}_proj.weight             ->  layers.N.gate_up_proj rows [gate | up]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from executor_svc.model import DecoderModel
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """The directory holds a model this loader cannot run faithfully."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read once from config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    inv_freq: tuple[float, ...]  # RoPE inverse frequencies, head_dim // 2 of them
+    rope_attention_scaling: float  # multiplies cos and sin (yarn); 1.0 otherwise
+    sliding_window: int | None  # ignored: see the module docstring
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    architecture = (getattr(hf, "architectures", None) or ["?"])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {architecture!r} is not supported (expected one of {SUPPORTED_ARCHITECTURES})"
+        )
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {hf.hidden_act!r}: only silu is supported")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    if hf.num_attention_heads % num_kv_heads:
+        raise UnsupportedModelError(
+            f"num_attention_heads {hf.num_attention_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+        )
+    inv_freq, attention_scaling = _rope(hf, head_dim)
+    eos = hf.eos_token_id
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    is_qwen2 = architecture == "Qwen2ForCausalLM"
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=True if is_qwen2 else bool(getattr(hf, "attention_bias", False)),
+        o_bias=False if is_qwen2 else bool(getattr(hf, "attention_bias", False)),
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        inv_freq=tuple(inv_freq.tolist()),
+        rope_attention_scaling=float(attention_scaling),
+        sliding_window=getattr(hf, "sliding_window", None),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies through transformers' own RoPE initialisers."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (expected one of {STATIC_ROPE_TYPES})")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return inv_freq.float(), attention_scaling
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, or every *.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+    return files
+
+
+def fingerprint(model_dir: str | Path) -> str:
+    """Identifies a checkpoint: hash of config.json and the weight files' names and sizes."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in weight_files(model_dir):
+        digest.update(f"{path.name}:{path.stat().st_size};".encode())
+    return digest.hexdigest()[:32]
+
+
+def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> DecoderModel:
+    """Build the decoder on `device` in `dtype` (no random init) and fill it from the checkpoint."""
+    from executor_svc.model import DecoderModel
+
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = DecoderModel(config, dtype=dtype)
+    model = model.to_empty(device=device)
+    model.init_buffers()
+    load_weights(model, model_dir)
+    return model.eval()
+
+
+def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
+    """Copy every checkpoint tensor into `model`; every parameter must be filled exactly once."""
+    config: ModelConfig = model.config
+    params = dict(model.named_parameters())  # a tied lm_head is embed_tokens, listed once
+    rows_filled = dict.fromkeys(params, 0)
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                target = _target(name, config)
+                if target is None:
+                    continue
+                param_name, row_start = target
+                if param_name not in params:
+                    raise UnsupportedModelError(f"{path.name}: tensor {name} has no place in the model")
+                tensor = f.get_tensor(name)
+                param = params[param_name].data
+                rows = param if row_start is None else param.narrow(0, row_start, tensor.shape[0])
+                if rows.shape != tensor.shape:
+                    raise UnsupportedModelError(
+                        f"{name}: shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}"
+                    )
+                rows.copy_(tensor)
+                rows_filled[param_name] += tensor.shape[0]
+    missing = [name for name, param in params.items() if rows_filled[name] != param.shape[0]]
+    if missing:
+        raise UnsupportedModelError(f"checkpoint {model_dir} does not fill {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _target(name: str, config: ModelConfig) -> tuple[str, int | None] | None:
+    """Map a checkpoint tensor name to (parameter name, first row or None for the whole tensor)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name.startswith("lm_head."):
+        return None if config.tie_word_embeddings else (name, None)
+    parts = name.removeprefix("model.").split(".")
+    if parts[0] != "layers":
+        return ".".join(parts), None  # embed_tokens.weight, norm.weight
+    layer, rest = parts[1], parts[2:]  # e.g. ["self_attn", "q_proj", "weight"] or ["input_layernorm", "weight"]
+    if len(rest) == 3 and rest[1] in _STACKED:
+        merged, index = _STACKED[rest[1]]
+        if merged == "qkv_proj":
+            offsets = (0, config.q_size, config.q_size + config.kv_size)
+        else:
+            offsets = (0, config.intermediate_size)
+        return f"layers.{layer}.{merged}.{rest[2]}", offsets[index]
+    return f"layers.{layer}.{'.'.join(rest[-2:])}", None

@@ -1,0 +1,180 @@
+"""A Llama-family decoder over a flat, unpadded batch of tokens.
+
+    input_ids [T], positions [T]  ->  hidden states [T, hidden]   (one row per scheduled token)
+    compute_logits(hidden, residual, logits_indices)  ->  [len(logits_indices), vocab] float32
+
+The final norm and the LM head run only on the rows that are sampled. q/k/v and gate/up
+are merged projections (one matmul each); the elementwise ops (RMSNorm, residual add +
+RMSNorm, rotary, SiLU-and-mul) are the small functions of `ModelOps`, so fused kernels
+can replace them without touching the model. Attention goes through an
+`AttentionBackend`, which also writes this step's K and V into the paged cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor_svc.attention.base import AttentionBackend, AttentionMetadata
+from executor_svc.loader import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, scaled in the input dtype (as transformers' LlamaRMSNorm)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary (rotate_half) on q [T, H, D] and k [T, KVH, D]; cos, sin [T, D // 2]."""
+    cos = cos.to(q.dtype).unsqueeze(1)
+    sin = sin.to(q.dtype).unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] on the last dim -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class ModelOps:
+    """The swappable elementwise ops; the defaults are plain torch."""
+
+    rms_norm: Callable[..., torch.Tensor] = rms_norm
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_rms_norm
+    apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = apply_rotary
+    silu_and_mul: Callable[..., torch.Tensor] = silu_and_mul
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype)
+        self.scale = c.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        attention: AttentionBackend,
+        ops: ModelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        num_tokens = hidden.shape[0]
+        if residual is None:
+            residual = hidden
+            hidden = ops.rms_norm(hidden, self.input_layernorm.weight, c.rms_norm_eps)
+        else:
+            hidden, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, c.rms_norm_eps)
+        q, k, v = self.qkv_proj(hidden).split((c.q_size, c.kv_size, c.kv_size), dim=-1)
+        q, k = ops.apply_rotary(
+            q.view(num_tokens, c.num_heads, c.head_dim), k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin
+        )
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        hidden = self.o_proj(attn.reshape(num_tokens, c.q_size))
+        hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, c.rms_norm_eps)
+        hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
+        return hidden, residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding or not)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops or ModelOps()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        )
+        self.register_buffer("rotary_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rotary_sin", torch.empty(0), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def init_buffers(self) -> None:
+        """Rotary tables [max_position_embeddings, head_dim // 2] in float32, as transformers computes them."""
+        c = self.config
+        inv_freq = torch.tensor(c.inv_freq, dtype=torch.float32, device=self.device)
+        positions = torch.arange(c.max_position_embeddings, device=self.device, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        self.rotary_cos = freqs.cos() * c.rope_attention_scaling
+        self.rotary_sin = freqs.sin() * c.rope_attention_scaling
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (hidden, residual), both [T, hidden]: their sum is the last layer's output."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        cos, sin = self.rotary_cos[positions], self.rotary_sin[positions]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, attention, self.ops)
+        return hidden, residual
+
+    def compute_logits(
+        self, hidden: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final norm + LM head on the rows `logits_indices` (all rows when None); float32 out."""
+        if logits_indices is not None:
+            hidden, residual = hidden[logits_indices], residual[logits_indices]
+        hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

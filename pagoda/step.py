@@ -1,0 +1,109 @@
+"""The step protocol between the scheduler and an executor, as typed dataclasses.
+
+One scheduler step produces a `StepPlan`; the executor runs it and answers with a
+`StepResult`. `pagoda.wire` converts both to and from the protobuf messages of
+`protos/pagoda/v1/executor.proto` (round-trip tested).
+
+Per-request state on the executor side::
+
+    token_ids            every token so far (prompt + generated); the executor appends
+                         the tokens it samples itself, the scheduler never re-sends them
+    num_computed_tokens  tokens whose KV is in the cache
+    block_table          block ids, in order; slot of position p = block_table[p // B] * B + p % B
+
+Each step the executor computes `token_ids[num_computed : num_computed + num_scheduled]`
+for every scheduled request; a request whose computed count then reaches
+`len(token_ids)` gets one sampled token, which the executor appends. A request absent
+from `num_scheduled_tokens` keeps its state untouched. `finished_req_ids` (finished,
+aborted or preempted) drop their state before the step runs; a preempted request comes
+back later as a new request with every token so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the executor needs to turn a request's logits into a token.
+
+    Defaults are neutral: every option at its default leaves the logits unchanged.
+    `stop_token_ids` holds every token id that would end the sequence (EOS ids unless
+    `ignore_eos`, plus the request's own stop ids); the executor masks them while fewer
+    than `min_tokens` tokens have been generated.
+    """
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class NewRequestData:
+    """A request the executor has no state for: sent in full, once (also on resumption)."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the executor already holds: only the blocks added since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+
+
+@dataclass
+class BlockCopy:
+    """Copy-on-write: copy every layer's K and V of block `src` into block `dst`."""
+
+    src: int
+    dst: int
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: list[str] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class SampledToken:
+    req_id: str
+    token_id: int
+    logprob: float = 0.0  # set when sampling.logprobs
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # sampling.top_logprobs best
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    sampled: list[SampledToken] = field(default_factory=list)

@@ -1,0 +1,134 @@
+"""The one place where step dataclasses (pagoda.step) meet their protobuf messages.
+
+Everything on the ZeroMQ link is a serialized `ExecutorMessage` or `SchedulerMessage`;
+nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from pagoda.step import (
+    BlockCopy,
+    CachedRequestData,
+    NewRequestData,
+    SampledToken,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
+from pagoda.v1 import executor_pb2 as pb
+
+
+def sampling_to_proto(s: SamplingParams) -> pb.StepSampling:
+    msg = pb.StepSampling(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens,
+        stop_token_ids=s.stop_token_ids,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+    )
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def sampling_from_proto(msg: pb.StepSampling) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
+    )
+
+
+def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
+    return pb.StepPlan(
+        step_id=plan.step_id,
+        new_requests=[
+            pb.NewRequest(
+                req_id=r.req_id,
+                token_ids=r.token_ids,
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling=sampling_to_proto(r.sampling),
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in plan.new_requests
+        ],
+        cached_requests=[
+            pb.CachedRequest(req_id=r.req_id, new_block_ids=r.new_block_ids)
+            for r in plan.cached_requests
+        ],
+        num_scheduled_tokens=plan.num_scheduled_tokens,
+        finished_req_ids=plan.finished_req_ids,
+        block_copies=[pb.BlockCopy(src=c.src, dst=c.dst) for c in plan.block_copies],
+    )
+
+
+def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=msg.step_id,
+        new_requests=[
+            NewRequestData(
+                req_id=r.req_id,
+                token_ids=list(r.token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling=sampling_from_proto(r.sampling),
+                block_ids=list(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in msg.new_requests
+        ],
+        cached_requests=[
+            CachedRequestData(req_id=r.req_id, new_block_ids=list(r.new_block_ids))
+            for r in msg.cached_requests
+        ],
+        num_scheduled_tokens=dict(msg.num_scheduled_tokens),
+        finished_req_ids=list(msg.finished_req_ids),
+        block_copies=[BlockCopy(src=c.src, dst=c.dst) for c in msg.block_copies],
+    )
+
+
+def result_to_proto(result: StepResult) -> pb.StepResult:
+    return pb.StepResult(
+        step_id=result.step_id,
+        sampled=[
+            pb.SampledToken(
+                req_id=s.req_id,
+                token_id=s.token_id,
+                logprob=s.logprob,
+                top_logprobs=[pb.TopToken(token_id=t, logprob=lp) for t, lp in s.top_logprobs],
+            )
+            for s in result.sampled
+        ],
+    )
+
+
+def result_from_proto(msg: pb.StepResult) -> StepResult:
+    return StepResult(
+        step_id=msg.step_id,
+        sampled=[
+            SampledToken(
+                req_id=s.req_id,
+                token_id=s.token_id,
+                logprob=s.logprob,
+                top_logprobs=[(t.token_id, t.logprob) for t in s.top_logprobs],
+            )
+            for s in msg.sampled
+        ],
+    )

@@ -1,0 +1,1 @@
+"""Pagoda's scheduler service: gRPC front end, admission, scheduling, KV blocks, routing."""

@@ -1,0 +1,25 @@
+"""The scheduler core: requests, KV blocks, prefix cache and the step scheduler.
+
+Pure Python (stdlib and `pagoda.step` only): the gRPC front end and the ZeroMQ link
+are adapters around `Scheduler.add_requests` / `schedule` / `update_from_output`.
+"""
+
+from scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
+from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from scheduler_svc.core.scheduler import Scheduler
+
+__all__ = [
+    "BlockPool",
+    "FinishReason",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "Request",
+    "RequestStatus",
+    "RequestUpdate",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+]

@@ -1,0 +1,53 @@
+"""Prefix-cache keys: one per FULL block, chained through the parent block's key.
+
+::
+
+    tokens   [t0 t1 t2 t3][t4 t5 t6 t7][t8 t9 .  . ]      block_size = 4
+    hashes   h0 = H(ROOT, t0..t3)
+                           h1 = H(h0, t4..t7)
+                                        (partial: no key, never cached)
+
+`h1` identifies the whole prefix t0..t7, not just t4..t7. The block's own tokens
+are kept beside the hash so that a lookup verifies them instead of trusting the
+digest. blake2b gives the same keys in every process.
+"""
+
+from __future__ import annotations
+
+from array import array
+from hashlib import blake2b
+from typing import NamedTuple, Sequence
+
+ROOT_HASH = b"pagoda-prefix-root"
+
+
+class BlockHash(NamedTuple):
+    """Key of a full block: the chained digest and the block's own token ids."""
+
+    hash_value: bytes
+    token_ids: tuple[int, ...]
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> BlockHash:
+    """The key of a full block holding `token_ids` after the prefix keyed `parent_hash`."""
+    digest = blake2b(parent_hash, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return BlockHash(digest.digest(), tuple(token_ids))
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int) -> None:
+    """Append the keys of the full blocks of `token_ids` that `hashes` lacks (in place)."""
+    num_full_blocks = len(token_ids) // block_size
+    parent = hashes[-1].hash_value if hashes else ROOT_HASH
+    for index in range(len(hashes), num_full_blocks):
+        start = index * block_size
+        block_hash = hash_block_tokens(parent, token_ids[start : start + block_size])
+        hashes.append(block_hash)
+        parent = block_hash.hash_value
+
+
+def block_hashes_of(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The keys of every full block of `token_ids`."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, token_ids, block_size)
+    return hashes

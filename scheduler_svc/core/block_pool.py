@@ -1,0 +1,190 @@
+"""The KV blocks of one executor: ref counts, the free queue and the prefix-cache index.
+
+::
+
+    block 0          the null block: never handed out, never freed, in no count
+    ref_cnt > 0      in use: held by `ref_cnt` block tables
+    ref_cnt == 0     free: in the free queue, maybe still cached (hash kept) until evicted
+
+    free queue (LRU):  head -> [b7][b3 #h][b9 #h] ... [b2] <- tail
+                       allocate pops the head (dropping its hash: eviction);
+                       free appends to the tail; a cache hit unlinks from anywhere, O(1).
+
+Invariant: `num_free_blocks + num_used_blocks == num_total_blocks`, where the totals
+exclude the null block.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from scheduler_svc.core.block_hash import BlockHash
+
+
+class KVCacheBlock:
+    """One block of KV slots. `block_hash` is set while the block is in the prefix cache."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = " cached" if self.block_hash is not None else ""
+        return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}{cached})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks, least recently freed at the head.
+
+    Sentinel head and tail nodes keep every operation branch-free and O(1).
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next_free
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self._len += 1
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("no free block")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block!r} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+
+class BlockPool:
+    """Owns every block of one executor's KV cache.
+
+    Blocks move between "free" and "in use" only here: `get_new_blocks` and `touch`
+    take references, `free_blocks` drops them. Callers free a request's blocks tail
+    first so that, in LRU order, a prefix outlives its continuations.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self._free_queue = FreeBlockQueue(self.blocks[1:])
+        self._cached: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.blocks) - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def free_queue(self) -> list[KVCacheBlock]:
+        """The free blocks, next to be evicted first (for tests and checks)."""
+        return list(self._free_queue)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` blocks off the head of the free queue, evicting their hashes."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(num_blocks):
+            block = self._free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The cached block for `block_hash`, if its stored tokens match exactly."""
+        block = self._cached.get(block_hash.hash_value)
+        if block is None or block.block_hash != block_hash:
+            return None
+        return block
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each block (a cache hit or a shared fork)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self._free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; the ones reaching 0 join the queue's tail in order."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0 or block is self.null_block:
+                raise ValueError(f"freeing {block!r}, which is not in use")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free_queue.append(block)
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Index a block full of computed tokens; False if disabled or that key is cached."""
+        if not self.enable_caching or block.block_hash is not None:
+            return False
+        if block_hash.hash_value in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash.hash_value] = block
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        del self._cached[block.block_hash.hash_value]
+        block.block_hash = None
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the queue, the ref counts and the index agree."""
+        free = self.free_queue()
+        if len(free) != self.num_free_blocks:
+            raise AssertionError(f"free queue walks {len(free)} blocks, counts {self.num_free_blocks}")
+        if any(block.ref_cnt != 0 for block in free) or self.null_block in free:
+            raise AssertionError("a block in the free queue is in use or is the null block")
+        num_used = sum(1 for block in self.blocks[1:] if block.ref_cnt > 0)
+        if num_used + len(free) != self.num_total_blocks:
+            raise AssertionError(f"free {len(free)} + in use {num_used} != total {self.num_total_blocks}")
+        for hash_value, block in self._cached.items():
+            if block.block_hash is None or block.block_hash.hash_value != hash_value:
+                raise AssertionError(f"prefix index entry for {block!r} has the wrong key")
+        if sum(block.block_hash is not None for block in self.blocks) != len(self._cached):
+            raise AssertionError("a block carries a hash but is not in the prefix index")

@@ -1,0 +1,47 @@
+"""The scheduler's configuration: frozen, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one executor's scheduler.
+
+    `num_blocks` is the executor's KV cache size in blocks, null block 0 included, so
+    `num_blocks - 1` blocks hold tokens. A sequence never grows past `max_seq_len`
+    tokens (prompt + output): the smaller of `max_model_len` and what the cache holds.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        minimums = {
+            "num_blocks": 2,
+            "block_size": 1,
+            "max_num_batched_tokens": 1,
+            "max_num_seqs": 1,
+            "max_model_len": 2,
+        }
+        for name, minimum in minimums.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= {minimum}, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"SchedulerConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def max_seq_len(self) -> int:
+        return min(self.max_model_len, self.num_usable_blocks * self.block_size)

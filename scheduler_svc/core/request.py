@@ -1,0 +1,115 @@
+"""One sequence the scheduler owns: its tokens, its progress and its lifecycle.
+
+Accounting, the same on both sides of the step protocol (see `pagoda.step`)::
+
+    all_token_ids        prompt_token_ids + output_token_ids
+    num_computed_tokens  tokens whose KV is in the cache (0 while waiting)
+    num_tokens - num_computed_tokens
+                         tokens still to compute; 1 for a decode, more during a prefill
+
+A request gets a new output token exactly when a step brings `num_computed_tokens`
+up to `num_tokens`; hence a running request always has at least one token to compute.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagoda.step import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; the values are the protobuf enum's (`pagoda.v1.FinishReason`)."""
+
+    EOS = 1
+    STOP_SEQUENCE = 2
+    STOP_TOKEN = 3
+    LENGTH = 4
+    ABORTED = 5
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is. PREEMPTED is a waiting request that has run before."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence to generate.
+
+    Invariants kept by the scheduler:
+      * WAITING / PREEMPTED: `num_computed_tokens == 0` and no KV block is held;
+      * RUNNING: `0 <= num_computed_tokens < num_tokens`;
+      * `output_token_ids` only grows, through `append_output_token`.
+
+    `num_cached_tokens` is the prefix-cache hit measured the first time the request
+    was scheduled (kept across preemption and across executors); for an `n > 1`
+    sibling that forked from its leader it is the leader's figure.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 16
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    was_scheduled: bool = False
+    _all_token_ids: list[int] = field(init=False, repr=False)
+    _stop_token_ids: frozenset[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.req_id!r}: prompt_token_ids is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.req_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids = list(self.output_token_ids)
+        self.eos_token_ids = frozenset(self.eos_token_ids)
+        self._all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self._stop_token_ids = frozenset(self.sampling.stop_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens. Read-only view: do not mutate."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self._stop_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)

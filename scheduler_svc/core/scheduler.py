@@ -1,0 +1,379 @@
+"""The scheduler of one executor: a token budget over running, then waiting, requests.
+
+One step is `schedule()` -> executor runs the `StepPlan` -> `update_from_output()`;
+the next `schedule()` waits for the previous plan's result.
+
+Every request is (tokens, `num_computed_tokens`); a step grants it `num_scheduled_tokens`
+tokens, so chunked prefill, decode, prefix hits, forks and resumption after preemption
+are one rule::
+
+    budget = max_num_batched_tokens
+    1. running, by (priority, arrival):  grant min(num_tokens - num_computed, budget);
+       no block for it -> preempt the running request with the largest
+       (priority, arrival) -- maybe itself -- and retry
+    2. waiting, by (priority, arrival), unless step 1 preempted: prefix hit, then
+       min(num_tokens - hit, budget) tokens, while blocks and max_num_seqs allow;
+       the first one that does not fit stops admission (no overtaking); an n > 1
+       follower forks from its leader once the leader's prompt is computed
+
+Request states::
+
+    add_requests -> WAITING --admit/fork--> RUNNING --stop/abort--> FINISHED
+                       ^                        |
+                       +------- PREEMPTED <-----+  (blocks freed, num_computed = 0)
+
+The executor holds state for exactly the RUNNING requests: those leaving RUNNING are
+listed in the plan's `finished_req_ids` (a preemption in its own step, a finish in
+the next one).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Iterable, Sequence
+
+from pagoda.step import CachedRequestData, NewRequestData, SampledToken, StepPlan, StepResult
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
+from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from scheduler_svc.core.sibling_groups import SiblingGroups
+
+__all__ = ["RequestUpdate", "Scheduler", "SchedulerConfig", "SchedulerStats"]
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    """Admission, token budget, preemption and n-sample forks for one executor."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching)
+        self.num_preemptions = 0
+        self._requests: dict[str, Request] = {}
+        self._order: dict[str, tuple[int, float, int]] = {}
+        self._waiting: list[Request] = []  # sorted by _key
+        self._running: list[Request] = []  # sorted by _key
+        self._siblings = SiblingGroups()
+        self._finished_req_ids: list[str] = []
+        self._next_seq = 0
+        self._next_step_id = 0
+        self._in_flight: StepPlan | None = None
+
+    # ---- front end ------------------------------------------------------------------------
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence may ever reach `num_tokens` tokens (prompt + output) here.
+
+        A prompt is servable when `can_fit(len(prompt) + 1)`; anything else would wait forever.
+        """
+        return 0 < num_tokens <= self.config.max_seq_len
+
+    def add_requests(self, requests: Sequence[Request]) -> None:
+        """Queue one request, or the `n` sibling samples of one (same prompt, distinct ids).
+
+        Siblings without output tokens share the prompt's KV: the first prefills, the
+        others fork from it. A request that already has output tokens (moved here
+        from a dead executor) resumes: it is sent as a new request with every token.
+        Raises ValueError, adding nothing, for a request that can never run here.
+        """
+        self._validate_new(requests)
+        for request in requests:
+            request.status = RequestStatus.WAITING
+            self._requests[request.req_id] = request
+            self._order[request.req_id] = (request.priority, request.arrival_time, self._next_seq)
+            self._next_seq += 1
+            bisect.insort(self._waiting, request, key=self._key)
+        if len(requests) > 1 and not any(r.output_token_ids for r in requests[1:]):
+            self._siblings.add(requests[0].req_id, [r.req_id for r in requests[1:]])
+
+    def finish_requests(self, req_ids: str | Iterable[str], reason: FinishReason) -> list[Request]:
+        """Finish requests now (abort, stop string), freeing their blocks; unknown ids are ignored."""
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        finished = []
+        for req_id in req_ids:
+            request = self._requests.get(req_id)
+            if request is not None:
+                self._finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def drain(self) -> list[Request]:
+        """Remove every unfinished request, reset to resume elsewhere (no blocks, 0 computed).
+
+        For an executor that died: its plan in flight is forgotten, nothing stays in use.
+        """
+        requests = sorted(self._requests.values(), key=self._key)
+        for request in requests:
+            self.kv_cache_manager.remove(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+        self._requests.clear()
+        self._order.clear()
+        self._waiting.clear()
+        self._running.clear()
+        self._siblings.clear()
+        self._finished_req_ids.clear()
+        self._in_flight = None
+        return requests
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self._requests.get(req_id)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        return tuple(self._waiting)
+
+    @property
+    def pending_finished_req_ids(self) -> tuple[str, ...]:
+        """Ids the executor still holds that the next plan tells it to drop."""
+        return tuple(self._finished_req_ids)
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv_cache_manager.block_pool
+        slots, tokens = self.kv_cache_manager.kv_usage(self._running)
+        return SchedulerStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_preemptions=self.num_preemptions,
+            num_total_blocks=pool.num_total_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            kv_slots_allocated=slots,
+            kv_tokens_held=tokens,
+        )
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step. The previous plan's result must have been applied."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight.step_id} has no result yet: call update_from_output")
+        plan = StepPlan(step_id=self._next_step_id, finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = []
+        self._next_step_id += 1
+        num_preemptions = self.num_preemptions
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        if self.num_preemptions == num_preemptions:
+            self._schedule_waiting(plan, budget)
+        if plan.num_scheduled_tokens:
+            self._in_flight = plan
+        return plan
+
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+        """Apply a step's result: advance computed counts, append tokens, finish what stops.
+
+        Requests finished (e.g. aborted) while the step ran are skipped.
+        """
+        self._check_result(plan, result)
+        self._in_flight = None
+        sampled = {token.req_id: token for token in result.sampled}
+        updates = []
+        for req_id, num_scheduled in plan.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None or request.status is not _RUNNING:
+                continue
+            request.num_computed_tokens += num_scheduled
+            self.kv_cache_manager.cache_full_blocks(request)
+            if request.num_computed_tokens == request.num_tokens:
+                updates.append(self._append_sampled(request, sampled[req_id]))
+        return updates
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless blocks, queues and requests agree (tests, idle checks)."""
+        self.kv_cache_manager.check_integrity()
+        if {r.req_id for r in self._running} | {r.req_id for r in self._waiting} != set(self._requests):
+            raise AssertionError("running + waiting != known requests")
+        if self.kv_cache_manager.req_ids() != {r.req_id for r in self._running}:
+            raise AssertionError("the requests holding blocks are not exactly the running ones")
+        for request in self._waiting:
+            if request.num_computed_tokens != 0 or not request.is_waiting:
+                raise AssertionError(f"waiting request {request.req_id!r} is not reset")
+        for request in self._running:
+            if request.status is not _RUNNING or not 0 <= request.num_computed_tokens < request.num_tokens:
+                raise AssertionError(f"running request {request.req_id!r} has a bad state")
+
+    # ---- scheduling -----------------------------------------------------------------------
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        for request in list(self._running):
+            if budget == 0:
+                break
+            if request.status is not _RUNNING:  # preempted by an earlier request of this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+            if new_block_ids is None:
+                continue
+            plan.cached_requests.append(CachedRequestData(request.req_id, new_block_ids))
+            plan.num_scheduled_tokens[request.req_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> list[int] | None:
+        """Blocks for `num_new` more tokens, preempting from the back of `running` as needed.
+
+        `running` is visited in key order, so the victim (the largest key) has not been
+        scheduled in this step yet, or it is `request` itself (then None).
+        """
+        while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            victim = self._running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+        return new_block_ids
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        for request in list(self._waiting):
+            if budget == 0 or len(self._running) >= self.config.max_num_seqs:
+                return
+            leader_id = self._siblings.leader_of(request.req_id)
+            if leader_id is None:
+                num_scheduled = self._admit(request, plan, budget)
+            elif self._ready_to_fork(self._requests[leader_id], request):
+                num_scheduled = self._fork(request, self._requests[leader_id], plan)
+            else:
+                continue
+            if num_scheduled == 0:
+                return
+            budget -= num_scheduled
+
+    def _admit(self, request: Request, plan: StepPlan, budget: int) -> int:
+        """Start a waiting request from its prefix hit; the tokens scheduled, 0 if no room."""
+        computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit, budget)
+        if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+            return 0
+        request.num_computed_tokens = num_hit
+        if not request.was_scheduled:
+            request.num_cached_tokens, request.was_scheduled = num_hit, True
+        self._start_running(request, plan, num_new)
+        return num_new
+
+    def _ready_to_fork(self, leader: Request, follower: Request) -> bool:
+        return leader.status is _RUNNING and leader.num_computed_tokens >= follower.num_prompt_tokens
+
+    def _fork(self, follower: Request, leader: Request, plan: StepPlan) -> int:
+        """Share the leader's prompt blocks; the follower recomputes its last prompt token."""
+        block_copies = self.kv_cache_manager.fork(leader, follower, follower.num_prompt_tokens)
+        if block_copies is None:
+            return 0
+        plan.block_copies.extend(block_copies)
+        follower.num_computed_tokens = follower.num_prompt_tokens - 1
+        follower.num_cached_tokens, follower.was_scheduled = leader.num_cached_tokens, True
+        self._siblings.discard(follower.req_id)
+        self._start_running(follower, plan, 1)
+        return 1
+
+    def _start_running(self, request: Request, plan: StepPlan, num_scheduled: int) -> None:
+        self._waiting.remove(request)
+        request.status = _RUNNING
+        bisect.insort(self._running, request, key=self._key)
+        plan.new_requests.append(
+            NewRequestData(
+                req_id=request.req_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling=request.sampling,
+                block_ids=self.kv_cache_manager.block_ids(request.req_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
+        plan.num_scheduled_tokens[request.req_id] = num_scheduled
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Back to the waiting queue with nothing held; the executor drops it this step."""
+        self.kv_cache_manager.free(request)
+        self._running.remove(request)
+        self._siblings.discard(request.req_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self._waiting, request, key=self._key)
+        plan.finished_req_ids.append(request.req_id)
+
+    # ---- results and finishing ------------------------------------------------------------
+
+    def _append_sampled(self, request: Request, sampled: SampledToken) -> RequestUpdate:
+        request.append_output_token(sampled.token_id)
+        reason = self._stop_reason(request)
+        if reason is not None:
+            self._finish(request, reason)
+        return RequestUpdate(request.req_id, sampled, reason)
+
+    def _stop_reason(self, request: Request) -> FinishReason | None:
+        """Stop token (once `min_tokens` are out) first, then the length limits."""
+        token_id = request.output_token_ids[-1]
+        if token_id in request.stop_token_ids and request.num_output_tokens >= request.sampling.min_tokens:
+            return FinishReason.EOS if token_id in request.eos_token_ids else FinishReason.STOP_TOKEN
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is _RUNNING:
+            self._running.remove(request)
+            self._finished_req_ids.append(request.req_id)
+        else:
+            self._waiting.remove(request)
+        self.kv_cache_manager.remove(request)
+        self._siblings.discard(request.req_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.req_id]
+        del self._order[request.req_id]
+
+    # ---- validation -----------------------------------------------------------------------
+
+    def _validate_new(self, requests: Sequence[Request]) -> None:
+        if not requests:
+            raise ValueError("add_requests needs at least one request")
+        req_ids = [request.req_id for request in requests]
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError(f"duplicate req_id among siblings: {req_ids}")
+        for request in requests:
+            if request.req_id in self._requests:
+                raise ValueError(f"req_id {request.req_id!r} is already in flight")
+            if request.is_finished or request.num_computed_tokens != 0:
+                raise ValueError(f"request {request.req_id!r} is finished or still held elsewhere")
+            if request.prompt_token_ids != requests[0].prompt_token_ids:
+                raise ValueError(f"sibling {request.req_id!r} has a different prompt")
+            if not self.can_fit(request.num_tokens + 1):
+                raise ValueError(
+                    f"request {request.req_id!r}: {request.num_tokens} tokens leave no room to generate "
+                    f"(max_seq_len {self.config.max_seq_len}: max_model_len {self.config.max_model_len}, "
+                    f"KV cache {self.config.num_usable_blocks} blocks of {self.config.block_size})"
+                )
+
+    def _check_result(self, plan: StepPlan, result: StepResult) -> None:
+        """Raise ValueError, changing nothing, unless `result` answers the plan in flight."""
+        if plan is not self._in_flight and plan.num_scheduled_tokens:
+            raise ValueError(f"plan {plan.step_id} is not the step in flight")
+        if result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} for plan {plan.step_id}")
+        sampled_ids = {token.req_id for token in result.sampled}
+        if len(sampled_ids) != len(result.sampled):
+            raise ValueError(f"step {plan.step_id}: a request sampled twice")
+        for req_id in sampled_ids:
+            if req_id not in plan.num_scheduled_tokens:
+                raise ValueError(f"step {plan.step_id}: token for unscheduled request {req_id!r}")
+        for req_id, num_scheduled in plan.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None or request.status is not _RUNNING:
+                continue
+            expects_token = request.num_computed_tokens + num_scheduled == request.num_tokens
+            if expects_token != (req_id in sampled_ids):
+                raise ValueError(f"step {plan.step_id}: request {req_id!r} expected a token: {expects_token}")
+
+    def _key(self, request: Request) -> tuple[int, float, int]:
+        return self._order[request.req_id]

@@ -1,0 +1,457 @@
+"""The scheduler service's engine: executors, routing, step loops and request streams.
+
+    Generate ──submit──▶ RequestState ──route──▶ ExecutorHandle.scheduler (core, pure Python)
+                             ▲                         │ schedule() ─▶ StepPlan ─▶ ZeroMQ
+                             └── on_token ◀── update_from_output ◀── StepResult ◀┘
+
+Everything runs on one asyncio loop: each executor has a step loop (schedule, send, await
+the result, update, emit tokens) and a monitor task declares executors dead when their
+heartbeats stop. A dead executor's requests are drained from its core with their tokens
+so far and placed on a survivor (recompute), so their streams continue unbroken; with no
+executor left they wait up to `no_executor_wait_s`, then end with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from transformers import PreTrainedTokenizerBase
+
+from pagoda import __version__, wire
+from pagoda.step import StepResult
+from pagoda.v1 import executor_pb2 as xpb
+from pagoda.v1 import generation_pb2 as pb
+from scheduler_svc.core.request import FinishReason, Request
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from scheduler_svc.link import ExecutorLink
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.request_state import RequestState, SampleStream
+from scheduler_svc.validation import GenerateParams
+
+log = logging.getLogger(__name__)
+
+_U64 = 2**64
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_fingerprint: str
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
+    executor_timeout_s: float = 2.0
+    no_executor_wait_s: float = 30.0
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.executor_timeout_s <= 0 or self.no_executor_wait_s < 0:
+            raise ValueError("executor_timeout_s must be positive and no_executor_wait_s not negative")
+
+
+@dataclass
+class ExecutorHandle:
+    executor_id: str
+    device: str
+    scheduler: Scheduler
+    last_seen: float
+    alive: bool = True
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    pending: asyncio.Future | None = None
+    pending_step_id: int = -1
+    task: asyncio.Task | None = None
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.scheduler.config.max_seq_len
+
+    def load(self) -> tuple[int, int]:
+        stats = self.scheduler.stats()
+        return (stats.num_running + stats.num_waiting, -stats.num_free_blocks)
+
+
+@dataclass
+class _Placement:
+    state: RequestState
+    sample: SampleStream
+    request: Request
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase, bind: str):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.link = ExecutorLink(bind, self)
+        self.executors: dict[str, ExecutorHandle] = {}
+        self.requests: dict[str, RequestState] = {}
+        self._placements: dict[str, _Placement] = {}  # core req id -> where it belongs
+        self._location: dict[str, ExecutorHandle] = {}  # core req id -> executor holding it
+        self._orphans: list[tuple[float, Request]] = []  # (deadline, request) waiting for an executor
+        self.metrics = Metrics()
+        self.metrics.attach(self)
+        self.num_preemptions_retired = 0  # preemptions counted by executors that are gone
+        self.on_health_change: Callable[[bool], None] = lambda serving: None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- life cycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self.link.serve()), asyncio.create_task(self._monitor())]
+
+    async def stop(self) -> None:
+        for handle in list(self.executors.values()):
+            await self.link.send(handle.executor_id, xpb.SchedulerMessage(shutdown=xpb.Shutdown(reason="scheduler stopping")))
+            self._retire(handle)
+        for task in self._tasks:
+            task.cancel()
+        self.link.close()
+
+    @property
+    def serving(self) -> bool:
+        return bool(self.executors)
+
+    # ---- requests -----------------------------------------------------------------------
+    def submit(self, params: GenerateParams) -> RequestState:
+        """Admit a validated request or raise; its stream is `state.responses()`."""
+        if params.request_id in self.requests:
+            raise AlreadyExists(f"request_id: {params.request_id!r} is already in flight")
+        if self.num_waiting() >= self.config.max_waiting_requests:
+            raise ResourceExhausted(
+                f"the waiting queue is full ({self.config.max_waiting_requests} requests); retry later"
+            )
+        max_tokens = self._max_tokens(params)
+        state = RequestState.create(params, self.tokenizer)
+        self.requests[params.request_id] = state
+        for i, sample in enumerate(state.samples):
+            request = Request(
+                req_id=sample.core_req_id,
+                prompt_token_ids=list(params.prompt_token_ids),
+                sampling=_sample_sampling(params, i),
+                max_tokens=max_tokens,
+                eos_token_ids=params.eos_token_ids,
+                priority=params.priority,
+                arrival_time=time.monotonic(),
+            )
+            self._placements[sample.core_req_id] = _Placement(state, sample, request)
+        self._place_group([self._placements[s.core_req_id].request for s in state.samples])
+        return state
+
+    def abort(self, request_id: str, reason: int = pb.FINISH_REASON_ABORTED) -> None:
+        """Idempotent: unknown or finished ids are ignored. Frees the blocks at once."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        for sample in state.samples:
+            if not sample.finished:
+                self._drop_core_request(sample.core_req_id, FinishReason.ABORTED)
+                state.finish_sample(sample, reason)
+        self._close(state)
+
+    def num_waiting(self) -> int:
+        return sum(h.scheduler.stats().num_waiting for h in self.executors.values()) + len(self._orphans)
+
+    def server_info(self) -> pb.ServerInfo:
+        info = pb.ServerInfo(version=__version__)
+        info.num_preemptions = self.num_preemptions_retired
+        info.num_waiting = len(self._orphans)
+        for handle in self.executors.values():
+            stats = handle.scheduler.stats()
+            info.num_running += stats.num_running
+            info.num_waiting += stats.num_waiting
+            info.num_preemptions += stats.num_preemptions
+            info.executors.append(
+                pb.ExecutorInfo(
+                    executor_id=handle.executor_id,
+                    device=handle.device,
+                    healthy=handle.alive,
+                    num_total_blocks=stats.num_total_blocks,
+                    num_free_blocks=stats.num_free_blocks,
+                    num_cached_blocks=stats.num_cached_blocks,
+                    num_running=stats.num_running,
+                    num_waiting=stats.num_waiting,
+                    kv_slots_allocated=stats.kv_slots_allocated,
+                    kv_tokens_held=stats.kv_tokens_held,
+                )
+            )
+        return info
+
+    def _max_tokens(self, params: GenerateParams) -> int:
+        prompt_len = len(params.prompt_token_ids)
+        if params.max_tokens is not None:
+            need = prompt_len + params.max_tokens
+            if self.executors and not any(h.scheduler.can_fit(need) for h in self.executors.values()):
+                raise InvalidArgument(
+                    "stopping.max_tokens",
+                    f"prompt + max_tokens = {need} tokens can never fit the KV cache of any executor "
+                    f"(largest holds {max(h.capacity_tokens for h in self.executors.values())} tokens)",
+                )
+            return params.max_tokens
+        limit = self.config.max_model_len
+        if self.executors:
+            limit = min(limit, max(h.capacity_tokens for h in self.executors.values()))
+        if prompt_len >= limit:
+            raise InvalidArgument("prompt", f"{prompt_len} tokens can never fit the KV cache ({limit} tokens)")
+        return limit - prompt_len
+
+    # ---- placement --------------------------------------------------------------------
+    def _place_group(self, requests: list[Request]) -> None:
+        handle = self._route(requests[0])
+        if handle is None:
+            deadline = time.monotonic() + self.config.no_executor_wait_s
+            self._orphans.extend((deadline, r) for r in requests)
+            return
+        for request in requests:
+            self._location[request.req_id] = handle
+        handle.scheduler.add_requests(requests)
+        handle.wakeup.set()
+
+    def _route(self, request: Request) -> ExecutorHandle | None:
+        """The executor caching most of the prompt, else the least loaded one that fits."""
+        need = request.num_tokens + max(0, request.max_tokens - len(request.output_token_ids))
+        fits = [h for h in self.executors.values() if h.alive and h.scheduler.can_fit(need)]
+        if not fits:
+            fits = [h for h in self.executors.values() if h.alive]
+        if not fits:
+            return None
+        hits = {h.executor_id: h.scheduler.kv_cache_manager.num_prefix_cached_tokens(request.all_token_ids) for h in fits}
+        best_hit = max(hits.values())
+        if best_hit > 0:
+            self.metrics.routing.labels("prefix_hit").inc()
+            candidates = [h for h in fits if hits[h.executor_id] == best_hit]
+        else:
+            self.metrics.routing.labels("least_loaded").inc()
+            candidates = fits
+        return min(candidates, key=ExecutorHandle.load)
+
+    def _drop_core_request(self, core_req_id: str, reason: FinishReason) -> None:
+        handle = self._location.pop(core_req_id, None)
+        if handle is not None:
+            handle.scheduler.finish_requests([core_req_id], reason)
+            handle.wakeup.set()
+        self._orphans = [(d, r) for d, r in self._orphans if r.req_id != core_req_id]
+
+    def _close(self, state: RequestState) -> None:
+        if state.finish_if_done():
+            reasons = [s.finish_reason for s in state.samples]
+            self.metrics.observe_finish(state.arrival, len(state.params.prompt_token_ids), reasons)
+        if state.done:
+            self.requests.pop(state.request_id, None)
+            for sample in state.samples:
+                self._placements.pop(sample.core_req_id, None)
+                self._location.pop(sample.core_req_id, None)
+
+    # ---- step loop --------------------------------------------------------------------
+    async def _step_loop(self, handle: ExecutorHandle) -> None:
+        loop = asyncio.get_running_loop()
+        while handle.alive:
+            plan = handle.scheduler.schedule()
+            if not plan.num_scheduled_tokens and not plan.finished_req_ids and not plan.block_copies:
+                handle.wakeup.clear()
+                if handle.scheduler.has_unfinished():
+                    # Waiting work that cannot be scheduled yet: look again shortly.
+                    try:
+                        await asyncio.wait_for(handle.wakeup.wait(), 0.05)
+                    except TimeoutError:
+                        pass
+                else:
+                    await handle.wakeup.wait()
+                continue
+            handle.pending = loop.create_future()
+            handle.pending_step_id = plan.step_id
+            if not await self.link.send_plan(handle.executor_id, plan):
+                self._kill(handle, "unreachable")
+                return
+            try:
+                result: StepResult = await handle.pending
+            except asyncio.CancelledError:
+                return
+            finally:
+                handle.pending = None
+            if not handle.alive:
+                return
+            self._apply(handle, handle.scheduler.update_from_output(plan, result))
+
+    def _apply(self, handle: ExecutorHandle, updates) -> None:
+        for update in updates:
+            placement = self._placements.get(update.req_id)
+            if placement is None:
+                continue
+            state, sample = placement.state, placement.sample
+            if update.sampled is None:
+                if update.finish_reason is not None:
+                    state.finish_sample(sample, int(update.finish_reason))
+                    self._location.pop(update.req_id, None)
+                    self._close(state)
+                continue
+            self._observe_token(state, sample, placement.request)
+            reason = int(update.finish_reason) if update.finish_reason is not None else None
+            matched = state.on_token(sample, update.sampled, reason)
+            if matched is not None and update.finish_reason is None:
+                handle.scheduler.finish_requests([update.req_id], FinishReason.STOP_SEQUENCE)
+            if sample.finished:
+                self._location.pop(update.req_id, None)
+                self._close(state)
+
+    def _observe_token(self, state: RequestState, sample: SampleStream, request: Request) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
+        if sample.num_tokens == 0:
+            if sample.index == 0:
+                state.num_cached_tokens = request.num_cached_tokens
+                metrics.ttft.observe(now - state.arrival)
+                metrics.prefix_queries.inc(len(state.params.prompt_token_ids))
+                metrics.prefix_hits.inc(request.num_cached_tokens)
+        else:
+            metrics.itl.observe(now - sample.last_token_time)
+        sample.last_token_time = now
+        metrics.generation_tokens.inc()
+
+    # ---- executors --------------------------------------------------------------------
+    def on_hello(self, msg: xpb.Hello) -> None:
+        asyncio.ensure_future(self.link.send(msg.executor_id, self._config_message()))
+
+    def _config_message(self) -> xpb.SchedulerMessage:
+        return xpb.SchedulerMessage(
+            config=xpb.ExecutorConfig(
+                block_size=self.config.block_size,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_model_len=self.config.max_model_len,
+                model_fingerprint=self.config.model_fingerprint,
+            )
+        )
+
+    def on_register(self, msg: xpb.Register) -> None:
+        problem = self._registration_problem(msg)
+        if problem:
+            log.error("refusing executor %s: %s", msg.executor_id, problem)
+            asyncio.ensure_future(
+                self.link.send(msg.executor_id, xpb.SchedulerMessage(shutdown=xpb.Shutdown(reason=problem)))
+            )
+            return
+        old = self.executors.get(msg.executor_id)
+        if old is not None:
+            self._kill(old, "re-registered")
+        core = Scheduler(
+            SchedulerConfig(
+                block_size=msg.block_size,
+                num_blocks=msg.num_kv_blocks,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_num_seqs=self.config.max_num_seqs,
+                max_model_len=self.config.max_model_len,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+            )
+        )
+        handle = ExecutorHandle(msg.executor_id, msg.device, core, last_seen=time.monotonic())
+        was_serving = self.serving
+        self.executors[msg.executor_id] = handle
+        handle.task = asyncio.create_task(self._step_loop(handle))
+        asyncio.ensure_future(
+            self.link.send(msg.executor_id, xpb.SchedulerMessage(registered=xpb.Registered(scheduler_id="pagoda")))
+        )
+        log.info("executor %s registered: %s, %d KV blocks", msg.executor_id, msg.device, msg.num_kv_blocks)
+        orphans, self._orphans = self._orphans, []
+        for _, request in orphans:
+            self._place_group([request])
+        if not was_serving:
+            self.on_health_change(True)
+
+    def _registration_problem(self, msg: xpb.Register) -> str:
+        if msg.model_fingerprint != self.config.model_fingerprint:
+            return f"model fingerprint {msg.model_fingerprint} differs from the scheduler's {self.config.model_fingerprint}"
+        if msg.block_size != self.config.block_size:
+            return f"block size {msg.block_size} differs from the scheduler's {self.config.block_size}"
+        if msg.num_kv_blocks < 2:
+            return f"num_kv_blocks {msg.num_kv_blocks} is too small"
+        return ""
+
+    def on_heartbeat(self, msg: xpb.Heartbeat) -> None:
+        handle = self.executors.get(msg.executor_id)
+        if handle is not None:
+            handle.last_seen = time.monotonic()
+        else:  # we restarted, or declared it dead: it must register anew
+            asyncio.ensure_future(self.link.send(msg.executor_id, self._config_message()))
+
+    def on_step_result(self, executor_id: str, msg: xpb.StepResult) -> None:
+        handle = self.executors.get(executor_id)
+        if handle is None or handle.pending is None or handle.pending.done() or msg.step_id != handle.pending_step_id:
+            return
+        handle.last_seen = time.monotonic()
+        if msg.error:
+            log.error("executor %s failed step %d: %s", executor_id, msg.step_id, msg.error)
+            self._kill(handle, f"step failed: {msg.error}")
+            return
+        handle.pending.set_result(wire.result_from_proto(msg))
+
+    def on_goodbye(self, msg: xpb.Goodbye) -> None:
+        handle = self.executors.get(msg.executor_id)
+        if handle is not None:
+            self._kill(handle, f"said goodbye: {msg.reason}")
+
+    def _kill(self, handle: ExecutorHandle, why: str) -> None:
+        """Retire `handle` and move its unfinished requests, tokens so far kept, elsewhere."""
+        log.warning("executor %s is gone (%s); moving its requests", handle.executor_id, why)
+        requests = self._retire(handle)
+        for request in requests:
+            if request.req_id in self._placements:
+                self._place_group([request])
+        if not self.serving:
+            self.on_health_change(False)
+
+    def _retire(self, handle: ExecutorHandle) -> list[Request]:
+        handle.alive = False
+        if self.executors.get(handle.executor_id) is handle:
+            del self.executors[handle.executor_id]
+        if handle.pending is not None and not handle.pending.done():
+            handle.pending.cancel()
+        if handle.task is not None and handle.task is not asyncio.current_task():
+            handle.task.cancel()
+        self.num_preemptions_retired += handle.scheduler.stats().num_preemptions
+        requests = handle.scheduler.drain()
+        for request in requests:
+            self._location.pop(request.req_id, None)
+        return requests
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            now = time.monotonic()
+            for handle in list(self.executors.values()):
+                if now - handle.last_seen > self.config.executor_timeout_s:
+                    self._kill(handle, f"no heartbeat for {now - handle.last_seen:.1f} s")
+            expired = [r for d, r in self._orphans if d <= now]
+            if expired:
+                self._orphans = [(d, r) for d, r in self._orphans if d > now]
+                for request in expired:
+                    placement = self._placements.get(request.req_id)
+                    if placement is not None and not placement.state.done:
+                        self._fail(
+                            placement.state,
+                            Unavailable(
+                                f"no executor could serve request {placement.state.request_id} "
+                                f"within {self.config.no_executor_wait_s:g} s"
+                            ),
+                        )
+
+    def _fail(self, state: RequestState, error: Exception) -> None:
+        for sample in state.samples:
+            if not sample.finished:
+                self._drop_core_request(sample.core_req_id, FinishReason.ABORTED)
+        state.fail(error)
+        self._close(state)
+
+
+def _sample_sampling(params: GenerateParams, index: int):
+    sampling = params.sampling
+    if sampling.seed is None or index == 0:
+        return sampling
+    from dataclasses import replace
+
+    return replace(sampling, seed=(sampling.seed + index) % _U64)

@@ -1,0 +1,174 @@
+"""Front-end state of one client request: its n output streams and the response queue.
+
+The step loop pushes each sampled token through `on_token` (detokenize, match stop
+strings, collect logprobs); the gRPC handler drains the queue with `responses()`, merging
+whatever piled up into one GenerateResponse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from pagoda.step import SampledToken
+from pagoda.v1 import generation_pb2 as pb
+from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from scheduler_svc.errors import ServiceError
+from scheduler_svc.validation import GenerateParams
+
+
+@dataclass
+class SampleStream:
+    index: int
+    core_req_id: str
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher
+    num_tokens: int = 0
+    finished: bool = False
+    finish_reason: int = 0
+    last_token_time: float = 0.0
+
+
+@dataclass
+class _Done:
+    usage: pb.Usage
+
+
+@dataclass
+class RequestState:
+    params: GenerateParams
+    samples: list[SampleStream]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    num_cached_tokens: int = 0
+    prompt_info_sent: bool = False
+    done: bool = False
+
+    @classmethod
+    def create(cls, params: GenerateParams, tokenizer: PreTrainedTokenizerBase) -> RequestState:
+        samples = [
+            SampleStream(
+                index=i,
+                core_req_id=f"{i}:{params.request_id}",
+                detokenizer=IncrementalDetokenizer(tokenizer, params.prompt_token_ids, params.skip_special_tokens),
+                stop=StopStringMatcher(list(params.stop), params.include_stop_str_in_output),
+            )
+            for i in range(params.n)
+        ]
+        return cls(params=params, samples=samples)
+
+    @property
+    def request_id(self) -> str:
+        return self.params.request_id
+
+    def unfinished_core_ids(self) -> list[str]:
+        return [s.core_req_id for s in self.samples if not s.finished]
+
+    def on_token(self, sample: SampleStream, sampled: SampledToken, finish_reason: int | None) -> str | None:
+        """Emit one token of `sample`. Returns the stop string it completed, if any.
+
+        The text of a token that ends the stream as EOS or stop token is not shown,
+        as in vLLM; its id is.
+        """
+        sample.num_tokens += 1
+        out = pb.SequenceOutput(index=sample.index, token_ids=[sampled.token_id])
+        if self.params.sampling.logprobs:
+            out.logprobs.append(
+                pb.TokenLogprob(
+                    token_id=sampled.token_id,
+                    logprob=sampled.logprob,
+                    top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in sampled.top_logprobs],
+                )
+            )
+        delta = sample.detokenizer.push(sampled.token_id)
+        ends_on_token = finish_reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP_TOKEN)
+        text, matched = sample.stop.feed("" if ends_on_token else delta)
+        if matched is not None:
+            finish_reason = pb.FINISH_REASON_STOP_SEQUENCE
+            out.matched_stop = matched
+        elif finish_reason is not None:
+            text += sample.stop.flush()
+        out.text = text
+        if finish_reason is not None:
+            out.finish_reason = finish_reason
+            sample.finished = True
+            sample.finish_reason = finish_reason
+        self.queue.put_nowait(out)
+        return matched
+
+    def finish_sample(self, sample: SampleStream, reason: int) -> None:
+        """End `sample` without a token (abort)."""
+        if sample.finished:
+            return
+        sample.finished = True
+        sample.finish_reason = reason
+        self.queue.put_nowait(pb.SequenceOutput(index=sample.index, text=sample.stop.flush(), finish_reason=reason))
+
+    def finish_if_done(self) -> bool:
+        if self.done or not all(s.finished for s in self.samples):
+            return False
+        self.done = True
+        completion = sum(s.num_tokens for s in self.samples)
+        self.queue.put_nowait(
+            _Done(
+                pb.Usage(
+                    prompt_tokens=len(self.params.prompt_token_ids),
+                    completion_tokens=completion,
+                    cached_prompt_tokens=self.num_cached_tokens,
+                )
+            )
+        )
+        return True
+
+    def fail(self, error: ServiceError) -> None:
+        self.done = True
+        for sample in self.samples:
+            sample.finished = True
+        self.queue.put_nowait(error)
+
+    async def responses(self):
+        """Yield merged GenerateResponses until the request ends; raise its ServiceError if it fails."""
+        while True:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            response = pb.GenerateResponse(request_id=self.request_id)
+            if not self.prompt_info_sent:
+                self.prompt_info_sent = True
+                response.prompt_info.num_prompt_tokens = len(self.params.prompt_token_ids)
+                response.prompt_info.num_cached_tokens = self.num_cached_tokens
+            merged: dict[int, pb.SequenceOutput] = {}
+            finished = False
+            error: ServiceError | None = None
+            for item in items:
+                if isinstance(item, ServiceError):
+                    error = item
+                    break
+                if isinstance(item, _Done):
+                    response.usage.CopyFrom(item.usage)
+                    finished = True
+                    continue
+                if item.index in merged:
+                    _merge(merged[item.index], item)
+                else:
+                    merged[item.index] = item
+            response.outputs.extend(merged[i] for i in sorted(merged))
+            if merged or finished or error is None:
+                yield response
+            if error is not None:
+                raise error
+            if finished:
+                return
+
+
+def _merge(into: pb.SequenceOutput, more: pb.SequenceOutput) -> None:
+    into.text += more.text
+    into.token_ids.extend(more.token_ids)
+    into.logprobs.extend(more.logprobs)
+    if more.finish_reason:
+        into.finish_reason = more.finish_reason
+    if more.matched_stop:
+        into.matched_stop = more.matched_stop

@@ -1,0 +1,99 @@
+"""The gRPC adapter: pagoda.v1.Generation, grpc.health.v1 and server reflection over the Engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagoda.v1 import generation_pb2 as pb
+from pagoda.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.engine import Engine
+from scheduler_svc.errors import InvalidArgument, ServiceError
+from scheduler_svc.tokenizer import ModelSpec, encode_text
+from scheduler_svc.validation import chat_token_ids, validate_generate
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, spec: ModelSpec, model_name: str):
+        self.engine = engine
+        self.spec = spec
+        self.model_name = model_name
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            params = validate_generate(request, self.engine.tokenizer, self.spec, self.engine.config.max_model_len)
+            state = self.engine.submit(params)
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        log.info("request %s: %d prompt tokens, n=%d", params.request_id, len(params.prompt_token_ids), params.n)
+        try:
+            async for response in state.responses():
+                yield response
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+        finally:
+            if not state.done:  # the client cancelled or its deadline passed
+                log.info("request %s cancelled by the client", params.request_id)
+                self.engine.abort(params.request_id)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        for request_id in request.request_ids:
+            self.engine.abort(request_id)
+        return pb.AbortResponse()
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        tokenizer = self.engine.tokenizer
+        try:
+            kind = request.WhichOneof("prompt")
+            if kind == "text":
+                ids = encode_text(tokenizer, request.text)
+            elif kind == "chat":
+                add = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+                ids = chat_token_ids(request.chat, tokenizer, "chat", add)
+            else:
+                raise InvalidArgument("prompt", "one of text or chat is required")
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
+
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        return pb.ModelInfo(
+            name=self.model_name,
+            max_model_len=self.engine.config.max_model_len,
+            vocab_size=self.spec.vocab_size,
+            eos_token_ids=self.spec.eos_token_ids,
+            block_size=self.engine.config.block_size,
+        )
+
+    async def GetServerInfo(self, request, context) -> pb.ServerInfo:
+        return self.engine.server_info()
+
+
+async def build_server(engine: Engine, spec: ModelSpec, model_name: str, address: str) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, spec, model_name), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+
+    def set_serving(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        asyncio.ensure_future(health_servicer.set(SERVICE_NAME, status))
+
+    engine.on_health_change = set_serving
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port(address)
+    return server, port

@@ -1,0 +1,52 @@
+"""The model's tokenizer and chat template, loaded from the local model directory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the front end needs to know of the model, read from its directory."""
+
+    max_position_embeddings: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def read_model_spec(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> ModelSpec:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    eos: list[int] = []
+    generation_config = Path(model_dir) / "generation_config.json"
+    for source in (json.loads(generation_config.read_text()) if generation_config.exists() else {}, text_config):
+        ids = source.get("eos_token_id")
+        for token_id in ids if isinstance(ids, list) else [ids]:
+            if isinstance(token_id, int) and token_id not in eos:
+                eos.append(token_id)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return ModelSpec(
+        max_position_embeddings=int(text_config.get("max_position_embeddings", 2048)),
+        vocab_size=int(text_config["vocab_size"]),
+        eos_token_ids=tuple(eos),
+    )
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=True)

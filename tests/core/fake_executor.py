@@ -1,0 +1,167 @@
+"""A fake executor that keeps per-request state exactly as `pagoda.step` describes.
+
+Its "KV cache" maps each slot to a fingerprint of the whole prefix ending at that
+position (real KV at position p depends on tokens 0..p). Every step it writes the
+scheduled positions of every request first, then "attends": it checks that every
+slot of positions 0..end of each scheduled request holds that request's own
+fingerprint. So a wrong prefix hit, a missing block copy, a block shared while being
+written, or a block reused too early is caught where a real model would silently
+produce different tokens. Sampled tokens are a deterministic function of the full
+token sequence and the seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.step import SampledToken, SamplingParams, StepPlan, StepResult
+from scheduler_svc.core import Request, RequestUpdate, Scheduler
+
+
+def next_token(fingerprint: int, seed: int | None, vocab_size: int) -> int:
+    return hash((fingerprint, seed or 0, 0x5EED)) % vocab_size
+
+
+@dataclass
+class FakeRequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seed: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    fingerprints: list[int] = field(default_factory=list)
+
+    def fingerprint(self, position: int) -> int:
+        while len(self.fingerprints) <= position:
+            parent = self.fingerprints[-1] if self.fingerprints else 17
+            self.fingerprints.append(hash((parent, self.token_ids[len(self.fingerprints)])))
+        return self.fingerprints[position]
+
+
+class FakeExecutor:
+    """Runs `StepPlan`s against a fingerprint KV cache; raises AssertionError on any misuse."""
+
+    def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 64) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
+        self.states: dict[str, FakeRequestState] = {}
+        self.slots: dict[int, int] = {}
+        self.num_steps = 0
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.num_steps += 1
+        for req_id in plan.finished_req_ids:
+            assert req_id in self.states, f"drop of unknown request {req_id}"
+            del self.states[req_id]
+        for copy in plan.block_copies:
+            self._copy_block(copy.src, copy.dst)
+        for new in plan.new_requests:
+            assert new.req_id not in self.states, f"new request {new.req_id} already held"
+            self.states[new.req_id] = FakeRequestState(
+                list(new.token_ids), new.num_prompt_tokens, new.sampling.seed, list(new.block_ids),
+                new.num_computed_tokens,
+            )
+        for cached in plan.cached_requests:
+            assert cached.req_id in self.states, f"diff for unknown request {cached.req_id}"
+            self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
+        for req_id, num_scheduled in plan.num_scheduled_tokens.items():
+            self._write(req_id, num_scheduled)
+        sampled = []
+        for req_id, num_scheduled in plan.num_scheduled_tokens.items():
+            token = self._attend_and_sample(req_id, num_scheduled)
+            if token is not None:
+                sampled.append(token)
+        return StepResult(step_id=plan.step_id, sampled=sampled)
+
+    def _slot(self, state: FakeRequestState, position: int) -> int:
+        index = position // self.block_size
+        assert index < len(state.block_ids), f"position {position} beyond the block table"
+        block_id = state.block_ids[index]
+        assert 0 < block_id < self.num_blocks, f"bad block id {block_id}"
+        return block_id * self.block_size + position % self.block_size
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        assert 0 < src < self.num_blocks and 0 < dst < self.num_blocks and src != dst
+        for offset in range(self.block_size):
+            value = self.slots.get(src * self.block_size + offset)
+            if value is None:
+                self.slots.pop(dst * self.block_size + offset, None)
+            else:
+                self.slots[dst * self.block_size + offset] = value
+
+    def _write(self, req_id: str, num_scheduled: int) -> None:
+        state = self.states[req_id]
+        start = state.num_computed_tokens
+        assert num_scheduled >= 1 and start + num_scheduled <= len(state.token_ids), (req_id, start, num_scheduled)
+        for position in range(start, start + num_scheduled):
+            self.slots[self._slot(state, position)] = state.fingerprint(position)
+
+    def _attend_and_sample(self, req_id: str, num_scheduled: int) -> SampledToken | None:
+        state = self.states[req_id]
+        state.num_computed_tokens += num_scheduled
+        for position in range(state.num_computed_tokens):
+            slot = self._slot(state, position)
+            assert self.slots.get(slot) == state.fingerprint(position), (
+                f"{req_id}: KV of position {position} (slot {slot}) is not this request's"
+            )
+        if state.num_computed_tokens < len(state.token_ids):
+            return None
+        token_id = next_token(state.fingerprint(len(state.token_ids) - 1), state.seed, self.vocab_size)
+        state.token_ids.append(token_id)
+        return SampledToken(req_id=req_id, token_id=token_id)
+
+
+def step(scheduler: Scheduler, executor: FakeExecutor) -> list[RequestUpdate]:
+    """One scheduler step through the fake executor, checking both views agree afterwards."""
+    plan = scheduler.schedule()
+    assert plan.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+    assert len(plan.num_scheduled_tokens) <= scheduler.config.max_num_seqs
+    updates = scheduler.update_from_output(plan, executor.execute(plan))
+    assert_views_agree(scheduler, executor)
+    return updates
+
+
+def assert_views_agree(scheduler: Scheduler, executor: FakeExecutor) -> None:
+    scheduler.check_integrity()
+    running = {request.req_id: request for request in scheduler.running}
+    assert set(executor.states) == set(running) | set(scheduler.pending_finished_req_ids)
+    manager = scheduler.kv_cache_manager
+    for req_id, request in running.items():
+        state = executor.states[req_id]
+        assert state.token_ids == request.all_token_ids, req_id
+        assert state.num_computed_tokens == request.num_computed_tokens, req_id
+        assert state.block_ids == manager.block_ids(req_id), req_id
+
+
+def run_to_completion(
+    scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 10_000
+) -> dict[str, list[RequestUpdate]]:
+    """Step until nothing is left; the updates of each request, in order."""
+    updates: dict[str, list[RequestUpdate]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return updates
+        for update in step(scheduler, executor):
+            updates.setdefault(update.req_id, []).append(update)
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
+def make_request(
+    req_id: str,
+    prompt: list[int],
+    max_tokens: int = 4,
+    *,
+    priority: int = 0,
+    arrival_time: float = 0.0,
+    seed: int | None = None,
+    **sampling_kwargs: object,
+) -> Request:
+    return Request(
+        req_id=req_id,
+        prompt_token_ids=list(prompt),
+        sampling=SamplingParams(seed=seed, **sampling_kwargs),  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        priority=priority,
+        arrival_time=arrival_time,
+    )

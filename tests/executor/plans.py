@@ -1,0 +1,131 @@
+"""A tiny scheduler for executor tests: hand-built `StepPlan`s without the real scheduler.
+
+Each request is admitted at a chosen step, prefilled in chunks of the sizes given (cycled),
+then decoded one token per step until `max_tokens` tokens are generated. Blocks come
+from a shuffled free list, so block tables are never contiguous.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from pagoda.step import CachedRequestData, NewRequestData, SamplingParams, StepPlan, StepResult
+
+
+@dataclass
+class _Request:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    max_tokens: int
+    chunk_sizes: list[int]
+    start_step: int
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    sent: bool = False
+    num_chunks: int = 0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class PlanBuilder:
+    def __init__(self, block_size: int = 16, num_blocks: int = 512, seed: int = 0) -> None:
+        self.block_size = block_size
+        self.free = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.requests: dict[str, _Request] = {}
+        self.finished: list[str] = []
+        self.outputs: dict[str, list[int]] = {}
+        self.step_id = 0
+
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams = SamplingParams(temperature=0.0),
+        chunk_sizes: list[int] | None = None,
+        start_step: int = 0,
+    ) -> None:
+        self.requests[req_id] = _Request(
+            req_id, list(prompt), len(prompt), sampling, max_tokens, chunk_sizes or [len(prompt)], start_step
+        )
+        self.outputs[req_id] = []
+
+    def done(self) -> bool:
+        return not self.requests
+
+    def next_plan(self) -> StepPlan:
+        plan = StepPlan(step_id=self.step_id, finished_req_ids=self.finished)
+        self.finished = []
+        for r in self.requests.values():
+            if r.start_step > self.step_id:
+                continue
+            remaining = len(r.token_ids) - r.num_computed_tokens
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                n = min(r.chunk_sizes[r.num_chunks % len(r.chunk_sizes)], remaining)
+                r.num_chunks += 1
+            else:
+                n = remaining
+            new_blocks = self._allocate(r, r.num_computed_tokens + n)
+            if not r.sent:
+                r.sent = True
+                plan.new_requests.append(
+                    NewRequestData(
+                        r.req_id, list(r.token_ids), r.num_prompt_tokens, r.sampling, list(r.block_ids),
+                        r.num_computed_tokens,
+                    )
+                )
+            elif new_blocks:
+                plan.cached_requests.append(CachedRequestData(r.req_id, new_blocks))
+            plan.num_scheduled_tokens[r.req_id] = n
+        self.step_id += 1
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> None:
+        for req_id, n in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        for token in result.sampled:
+            r = self.requests[token.req_id]
+            r.token_ids.append(token.token_id)
+            self.outputs[r.req_id].append(token.token_id)
+            if r.num_generated >= r.max_tokens:
+                self._finish(r.req_id)
+
+    def preempt(self, req_id: str) -> None:
+        """Drop the executor's state; the request comes back as new, with every token so far."""
+        r = self.requests[req_id]
+        self.finished.append(req_id)
+        self.free.extend(reversed(r.block_ids))
+        r.block_ids, r.num_computed_tokens, r.sent, r.num_chunks = [], 0, False, 0
+
+    def _finish(self, req_id: str) -> None:
+        r = self.requests.pop(req_id)
+        self.free.extend(reversed(r.block_ids))
+        self.finished.append(req_id)
+
+    def _allocate(self, r: _Request, num_tokens: int) -> list[int]:
+        needed = -(-num_tokens // self.block_size) - len(r.block_ids)
+        new = [self.free.pop() for _ in range(max(needed, 0))]
+        r.block_ids.extend(new)
+        return new
+
+
+def run_to_completion(runner, builder: PlanBuilder, max_steps: int = 10_000, on_step=None) -> dict[str, list[int]]:
+    """Drive `runner` with `builder`'s plans until every request is done; returns the generated tokens."""
+    for _ in range(max_steps):
+        if builder.done():
+            break
+        plan = builder.next_plan()
+        if on_step is not None:
+            result = on_step(plan)
+        else:
+            result = runner.execute(plan)
+        builder.update(plan, result)
+    runner.execute(StepPlan(step_id=builder.step_id, finished_req_ids=builder.finished))
+    builder.finished = []
+    return builder.outputs

@@ -1,0 +1,31 @@
+"""Kernel tests run on CUDA when there is a GPU, else on CPU tensors under the Triton interpreter.
+
+TRITON_INTERPRET is read when a kernel is decorated, i.e. when `kernels` is first imported,
+so it is set here, before any test module imports it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: a heavier kernel case (long contexts); deselect with -m 'not slow'")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

@@ -1,0 +1,186 @@
+"""Starts the real services (scheduler + executors, separate processes) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagoda.v1 import generation_pb2 as pb
+from pagoda.v1 import generation_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE = "pagoda.v1.Generation"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """`with Service(...) as svc:` runs `python -m scheduler_svc` and N `python -m executor_svc`."""
+
+    def __init__(self, model: str | None = None, scheduler_args=(), executor_args=(), num_executors: int = 1):
+        self.model = model
+        self.scheduler_args = list(scheduler_args)
+        self.executor_args = list(executor_args)
+        self.num_executors = num_executors
+        self.port = free_port()
+        self.zmq = f"tcp://127.0.0.1:{free_port()}"
+        self.metrics_port = free_port()
+        self.logdir = Path(tempfile.mkdtemp(prefix="pagoda-svc-"))
+        self.scheduler: subprocess.Popen | None = None
+        self.executors: list[subprocess.Popen] = []
+        self.channel: grpc.Channel | None = None
+
+    def _spawn(self, module: str, args: list[str], name: str) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        log = open(self.logdir / f"{name}.log", "w")
+        model = ["--model", self.model] if self.model else []
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *model, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+    def start(self) -> "Service":
+        self.scheduler = self._spawn(
+            "scheduler_svc", ["--port", str(self.port), "--executor-bind", self.zmq, "--metrics-port", str(self.metrics_port), *self.scheduler_args], "scheduler"
+        )
+        for _ in range(self.num_executors):
+            self.add_executor()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.wait_serving(self.num_executors)
+        return self
+
+    def add_executor(self, extra_args=()) -> subprocess.Popen:
+        args = ["--scheduler", self.zmq, "--device", "cpu", *self.executor_args, *extra_args]
+        proc = self._spawn("executor_svc", args, f"executor{len(self.executors)}")
+        self.executors.append(proc)
+        return proc
+
+    def wait_serving(self, num_executors: int = 1, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                status = self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    healthy = [e for e in self.server_info().executors if e.healthy]
+                    if len(healthy) >= num_executors:
+                        return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"service not serving {num_executors} executors in {timeout} s\n{self.logs()}")
+
+    def _check_alive(self) -> None:
+        if self.scheduler.poll() is not None:
+            raise RuntimeError(f"scheduler exited with {self.scheduler.returncode}\n{self.logs()}")
+
+    def server_info(self) -> pb.ServerInfo:
+        return self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+
+    def wait_all_blocks_free(self, timeout: float = 20.0) -> pb.ServerInfo:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.server_info()
+            if info.num_running == 0 and info.num_waiting == 0 and all(
+                e.num_free_blocks == e.num_total_blocks for e in info.executors
+            ):
+                return info
+            if time.monotonic() > deadline:
+                return info
+            time.sleep(0.1)
+
+    def logs(self, tail: int = 4000) -> str:
+        out = []
+        for path in sorted(self.logdir.glob("*.log")):
+            out.append(f"--- {path.name} ---\n{path.read_text()[-tail:]}")
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        procs = [p for p in [*self.executors, self.scheduler] if p is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> "Service":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def collect(responses) -> dict:
+    """Join a Generate stream: per index the token ids, text, finish reason; plus first/last messages."""
+    outputs: dict[int, dict] = {}
+    messages = list(responses)
+    for message in messages:
+        for out in message.outputs:
+            o = outputs.setdefault(out.index, {"token_ids": [], "text": "", "finish_reason": 0, "logprobs": [], "matched_stop": ""})
+            o["token_ids"].extend(out.token_ids)
+            o["text"] += out.text
+            o["logprobs"].extend(out.logprobs)
+            if out.finish_reason:
+                o["finish_reason"] = out.finish_reason
+            if out.matched_stop:
+                o["matched_stop"] = out.matched_stop
+    return {"outputs": outputs, "first": messages[0], "last": messages[-1], "messages": messages}
+
+
+def greedy_request(prompt_ids=None, chat=None, text=None, max_tokens=32, request_id="", **stopping) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id)
+    if prompt_ids is not None:
+        req.token_ids.ids.extend(prompt_ids)
+    elif chat is not None:
+        req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in chat)
+    else:
+        req.text = text
+    req.sampling.temperature = 0.0
+    req.stopping.max_tokens = max_tokens
+    for key, value in stopping.items():
+        setattr(req.stopping, key, value)
+    return req
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None, ignore_eos=False) -> list[int]:
+    if ignore_eos:
+        model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id,
+            pad_token_id=model.generation_config.pad_token_id,
+        )
+    return out[0, len(prompt_ids) :].tolist()

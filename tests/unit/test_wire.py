@@ -1,0 +1,66 @@
+import math
+
+from pagoda import wire
+from pagoda.step import (
+    BlockCopy,
+    CachedRequestData,
+    NewRequestData,
+    SampledToken,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
+from pagoda.v1 import executor_pb2 as pb
+
+
+def _roundtrip(msg_to_proto, msg_from_proto, value, proto_type):
+    data = msg_to_proto(value).SerializeToString()
+    parsed = proto_type()
+    parsed.ParseFromString(data)
+    return msg_from_proto(parsed)
+
+
+def test_step_plan_roundtrip():
+    sampling = SamplingParams(
+        temperature=0.5,
+        top_p=0.75,
+        top_k=40,
+        min_p=0.125,
+        seed=2**63 + 5,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.5,
+        logit_bias=((3, -100.0), (17, 2.5)),
+        min_tokens=4,
+        stop_token_ids=(2, 7),
+        logprobs=True,
+        top_logprobs=5,
+    )
+    plan = StepPlan(
+        step_id=42,
+        new_requests=[NewRequestData("a", [1, 2, 3], 2, sampling, [5, 9], 1)],
+        cached_requests=[CachedRequestData("b", [11]), CachedRequestData("c", [])],
+        num_scheduled_tokens={"a": 2, "b": 1, "c": 1},
+        finished_req_ids=["d"],
+        block_copies=[BlockCopy(9, 12)],
+    )
+    assert _roundtrip(wire.plan_to_proto, wire.plan_from_proto, plan, pb.StepPlan) == plan
+
+
+def test_unseeded_sampling_stays_unseeded():
+    plan = StepPlan(step_id=1, new_requests=[NewRequestData("a", [1], 1, SamplingParams(), [1], 0)])
+    back = _roundtrip(wire.plan_to_proto, wire.plan_from_proto, plan, pb.StepPlan)
+    assert back.new_requests[0].sampling.seed is None
+    assert back.new_requests[0].sampling == SamplingParams()
+
+
+def test_step_result_roundtrip():
+    result = StepResult(
+        step_id=7,
+        sampled=[SampledToken("a", 5, -0.5, [(5, -0.5), (6, -1.25)]), SampledToken("b", 0)],
+    )
+    back = _roundtrip(wire.result_to_proto, wire.result_from_proto, result, pb.StepResult)
+    assert back.step_id == 7
+    assert [(s.req_id, s.token_id) for s in back.sampled] == [("a", 5), ("b", 0)]
+    assert math.isclose(back.sampled[0].logprob, -0.5)
+    assert back.sampled[0].top_logprobs == [(5, -0.5), (6, -1.25)]
