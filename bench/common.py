@@ -19,14 +19,13 @@ import json
 import os
 import platform
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 OUT_DIR = ROOT / "bench" / "out"
 SAFE_TOKEN_IDS = (1000, 40000)  # random prompt tokens: clear of special and byte tokens
@@ -220,9 +219,9 @@ def summarize(records: list[RequestRecord], t0: float, t_end: float) -> dict:
     return summary
 
 
-def throughput_over_time(records: list[RequestRecord], t0: float, t_end: float, bins: int = 60):
+def throughput_over_time(records: list[RequestRecord], t0: float, t_end: float, bins: int = 40):
     """(bin start s, output tokens/s) pairs over the run."""
-    width = max((t_end - t0) / bins, 0.05)
+    width = max((t_end - t0) / bins, 0.5)
     counts = [0] * (int((t_end - t0) / width) + 1)
     for r in records:
         for t, n in zip(r.token_times, r.token_counts):
@@ -307,15 +306,19 @@ METRIC_ROWS = [
 
 
 def metrics_table(columns: dict[str, dict], ratio_of: tuple[str, str] | None = None) -> str:
-    """One row per metric, one column per run; with `ratio_of=(a, b)` a column a/b."""
+    """One row per metric, one column per run; with `ratio_of=(a, b)` a column of how many times
+    better a is than b: a/b for rates, b/a for times (so > 1 means a is better either way)."""
     names = list(columns)
-    headers = ["metric", *names] + ([f"{ratio_of[0]}/{ratio_of[1]}"] if ratio_of else [])
+    headers = ["metric", *names] + ([f"{ratio_of[0]} vs {ratio_of[1]}"] if ratio_of else [])
     rows = []
     for label, key in METRIC_ROWS:
         row = [label, *(columns[n].get(key, float("nan")) for n in names)]
         if ratio_of:
             a, b = columns[ratio_of[0]].get(key), columns[ratio_of[1]].get(key)
-            row.append(f"{a / b:.2f}x" if a is not None and b and not key.startswith("num_") else "")
+            if key.startswith("num_") or not a or not b or a != a or b != b:
+                row.append("")
+            else:
+                row.append(f"{a / b if key.endswith('_per_s') else b / a:.2f}x")
         rows.append(row)
     return format_table(headers, rows)
 
@@ -349,6 +352,11 @@ def records_json(records: list[RequestRecord], t0: float) -> list[dict]:
         }
         for r in records
     ]
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (e.g. from `timeout`) into SystemExit, so spawned services are stopped on the way out."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def timestamp() -> str:
@@ -389,7 +397,8 @@ def plot_runs(runs: dict[str, tuple[list[RequestRecord], float, float]], path: P
             if xs:
                 ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
         ax.set_xlabel(label)
-        ax.set_ylabel("fraction of requests" if "ITL" not in label else "fraction")
+        ax.set_ylabel("fraction of token gaps" if "inter-token" in label else "fraction of requests")
+        ax.xaxis.get_major_formatter().set_useOffset(False)
         ax.grid(alpha=0.3)
         ax.legend()
     axes[0][1].set_xscale("log")

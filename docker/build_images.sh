@@ -3,21 +3,23 @@
 # Env:
 #   VARIANTS                 "cpu" (default), "cuda" or "cpu cuda"
 #   PAGODA_BASE_IMAGE        CPU base (default python:3.11-slim-bookworm); with no registry:
-#                            docker/make_base_image.sh, then PAGODA_BASE_IMAGE=pagoda-base:bookworm
+#                            PAGODA_BASE_IMAGE=pagoda-base:bookworm (made by docker/make_base_image.sh
+#                            when missing: debootstrap + docker import)
 #   PAGODA_CUDA_BASE_IMAGE   CUDA base (default nvidia/cuda:13.0.2-runtime-ubuntu24.04)
 #   PAGODA_IMAGE_PREFIX      image name (default pagoda): tags <prefix>:cpu, <prefix>:cuda
-#   PAGODA_PIP_INDEX_URL / PAGODA_PIP_EXTRA_INDEX_URL / PAGODA_PIP_TRUSTED_HOST / TORCH_CPU_INDEX_URL
-#                            passed as build arguments when set
+#   PAGODA_PIP_INDEX_URL / PAGODA_PIP_EXTRA_INDEX_URL / PAGODA_PIP_TRUSTED_HOST / TORCH_CPU_INDEX_URL /
+#   CPU_SKIP_PACKAGES        passed as build arguments when set (see the Dockerfile)
 #   DOCKER_BUILD_FLAGS       extra flags for docker build (e.g. --no-cache)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VARIANTS=${VARIANTS:-cpu}
 PREFIX=${PAGODA_IMAGE_PREFIX:-pagoda}
+docker/start_dockerd.sh >/dev/null
 docker/prepare_build_context.sh >/dev/null
 
 args=()
-for v in PAGODA_PIP_INDEX_URL PAGODA_PIP_EXTRA_INDEX_URL PAGODA_PIP_TRUSTED_HOST TORCH_CPU_INDEX_URL; do
-  if [ -n "${!v:-}" ]; then args+=(--build-arg "$v=${!v}"); fi
+for v in PAGODA_PIP_INDEX_URL PAGODA_PIP_EXTRA_INDEX_URL PAGODA_PIP_TRUSTED_HOST TORCH_CPU_INDEX_URL CPU_SKIP_PACKAGES; do
+  if [ -n "${!v+set}" ]; then args+=(--build-arg "$v=${!v}"); fi
 done
 for variant in $VARIANTS; do
   case $variant in
@@ -25,6 +27,9 @@ for variant in $VARIANTS; do
     cuda) base=${PAGODA_CUDA_BASE_IMAGE:-nvidia/cuda:13.0.2-runtime-ubuntu24.04} ;;
     *) echo "unknown variant $variant" >&2; exit 2 ;;
   esac
+  if [[ $base == pagoda-base:* ]] && ! docker image inspect "$base" >/dev/null 2>&1; then
+    docker/make_base_image.sh "$base"     # no registry needed: debootstrap + docker import
+  fi
   echo "== building $PREFIX:$variant on $base"
   start=$(date +%s)
   # shellcheck disable=SC2086

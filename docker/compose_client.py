@@ -3,7 +3,7 @@
     python docker/compose_client.py wait     --target 127.0.0.1:50051 --executors 2
     python docker/compose_client.py stream   --target ... [--max-tokens 32]
     python docker/compose_client.py failover --target ... --streams 6 --max-tokens 48 \
-        --kill-cmd 'docker kill CONTAINER' --executors-after 2
+        --kill-project pagoda-compose-test --executors-after 2
 
 Stubs: the repository's pagoda/v1 (`make protos`); when those are missing they are generated from
 protos/ into a temporary folder. Every line of output starts with "client:"; the last line of
@@ -182,6 +182,22 @@ def cmd_stream(args, channel, stub) -> int:
     return 0 if not problems else 1
 
 
+def find_container(project: str, executor_id: str) -> tuple[str, str]:
+    """The executor container of compose `project` whose log registered `executor_id`."""
+    ids = subprocess.run(
+        ["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={project}",
+         "--filter", "label=com.docker.compose.service=executor"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()
+    for cid in ids:
+        logs = subprocess.run(["docker", "logs", cid], capture_output=True, text=True)
+        if executor_id in logs.stdout or executor_id in logs.stderr:
+            name = subprocess.run(["docker", "inspect", "--format", "{{.Name}}", cid],
+                                  capture_output=True, text=True).stdout.strip().lstrip("/")
+            return cid, f"{name}, matched by its log"
+    return ids[0], "NOT matched by log: first executor container"
+
+
 def cmd_failover(args, channel, stub) -> int:
     before = server_info(stub)
     say("failover: executors before: " + ", ".join(
@@ -191,15 +207,20 @@ def cmd_failover(args, channel, stub) -> int:
     reference = {}
     if args.reference:
         t0 = time.monotonic()
-        for p in sorted(set(prompts)):
-            ref = StreamResult(prompt=p, request_id=f"compose-ref-{uuid.uuid4().hex[:8]}", max_tokens=args.max_tokens)
-            run_stream(stub, ref, args.timeout, notify_after=1)
+        refs = [StreamResult(prompt=p, request_id=f"compose-ref-{uuid.uuid4().hex[:8]}", max_tokens=args.max_tokens)
+                for p in sorted(set(prompts))]
+        ref_threads = [threading.Thread(target=run_stream, args=(stub, r, args.timeout, 1), daemon=True) for r in refs]
+        for t in ref_threads:
+            t.start()
+        for t in ref_threads:
+            t.join(timeout=args.timeout)
+        for ref in refs:
             if ref.problems():
                 say(f"failover: reference run failed: {'; '.join(ref.problems())}")
                 say("SUMMARY failover: FAIL reference runs failed")
                 return 1
-            reference[p] = ref.token_ids
-        say(f"failover: {len(reference)} reference stream(s) in {time.monotonic() - t0:.1f}s")
+            reference[ref.prompt] = ref.token_ids
+        say(f"failover: {len(reference)} reference stream(s), concurrent, in {time.monotonic() - t0:.1f}s")
 
     results = [StreamResult(prompt=p, request_id=f"compose-{i}-{uuid.uuid4().hex[:8]}", max_tokens=args.max_tokens)
                for i, p in enumerate(prompts)]
@@ -218,9 +239,17 @@ def cmd_failover(args, channel, stub) -> int:
     finished_early = [r.request_id for r in results if r.finish_reason]
     if finished_early:
         say(f"failover: WARNING {len(finished_early)} stream(s) had already finished at kill time")
+    busiest = max(mid.executors, key=lambda e: e.num_running)
     t_kill = time.monotonic()
-    kill = subprocess.run(args.kill_cmd, shell=True, capture_output=True, text=True)
-    say(f"failover: killed: `{args.kill_cmd}` rc={kill.returncode} {kill.stdout.strip()} {kill.stderr.strip()}")
+    if args.kill_project:
+        victim, how = find_container(args.kill_project, busiest.executor_id)
+        kill_cmd = f"docker kill {victim}"
+        say(f"failover: victim {busiest.executor_id} (running {busiest.num_running}/{len(results)} streams) "
+            f"is container {victim} ({how})")
+    else:
+        kill_cmd = args.kill_cmd.replace("{executor_id}", busiest.executor_id)
+    kill = subprocess.run(kill_cmd, shell=True, capture_output=True, text=True)
+    say(f"failover: killed: `{kill_cmd}` rc={kill.returncode} {kill.stdout.strip()} {kill.stderr.strip()}")
     # Detection: the scheduler should drop the dead executor within seconds.
     detected = None
     while time.monotonic() - t_kill < args.detect_timeout:
@@ -254,11 +283,12 @@ def cmd_failover(args, channel, stub) -> int:
     say("failover: executors after: " + ", ".join(
         f"{e.executor_id}({'ok' if e.healthy else 'dead'})" for e in after.executors)
         + f"; preemptions={after.num_preemptions}")
-    ok = failures == 0 and detected is not None and kill.returncode == 0
+    ok = failures == 0 and detected is not None and kill.returncode == 0 and busiest.num_running > 0
     if args.strict_reference and mismatches:
         ok = False
     say(f"SUMMARY failover: {'PASS' if ok else 'FAIL'} {len(results) - failures}/{len(results)} streams complete "
-        f"({args.max_tokens} tokens each, {elapsed:.1f}s), executor killed mid-stream, "
+        f"({args.max_tokens} tokens each, {elapsed:.1f}s), killed the executor running {busiest.num_running} of them "
+        f"mid-stream, "
         f"detected in {detected if detected is None else round(detected, 1)}s, "
         f"{len(results) - mismatches if reference else '-'}/{len(results) if reference else '-'} identical to reference")
     return 0 if ok else 1
@@ -275,7 +305,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--streams", type=int, default=6)
     parser.add_argument("--kill-after-tokens", type=int, default=4)
-    parser.add_argument("--kill-cmd", default="true")
+    parser.add_argument("--kill-cmd", default="true", help="shell command; {executor_id} = the busiest executor")
+    parser.add_argument("--kill-project", default="",
+                        help="docker kill the container of this compose project running the busiest executor")
     parser.add_argument("--executors-after", type=int, default=2)
     parser.add_argument("--detect-timeout", type=float, default=30.0)
     parser.add_argument("--no-reference", dest="reference", action="store_false")

@@ -2,12 +2,13 @@
 # Build a minimal Debian bookworm base image with Python, without any image registry:
 #   debootstrap a root filesystem, then `docker import` it.
 # Usage: docker/make_base_image.sh [TAG]   (default tag: pagoda-base:bookworm)
-# Env:   DEBIAN_MIRROR (default http://deb.debian.org/debian), FORCE=1 to rebuild an existing tag.
+# Env:   DEBIAN_MIRROR (default http://deb.debian.org/debian), FORCE=1 to rebuild an existing tag,
+#        BASE_PACKAGES (default python3,python3-venv,python3-pip,ca-certificates).
 set -euo pipefail
 TAG=${1:-pagoda-base:bookworm}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SUITE=bookworm
-PKGS=python3,python3-venv,python3-pip,ca-certificates
+PKGS=${BASE_PACKAGES:-python3,python3-venv,python3-pip,ca-certificates}
 
 if [ "${FORCE:-0}" != 1 ] && docker image inspect "$TAG" >/dev/null 2>&1; then
   echo "base image $TAG exists (FORCE=1 to rebuild)"
@@ -48,5 +49,5 @@ tar -C "$ROOT" --numeric-owner -c . | docker import \
   --change 'CMD ["/bin/bash"]' \
   --message "debootstrap $SUITE minbase + $PKGS" \
   - "$TAG"
-docker run --rm "$TAG" python3 -c 'import sys, venv, ssl; print("base ok:", sys.version.split()[0])'
+docker run --rm "$TAG" sh -c 'if command -v python3 >/dev/null; then python3 -c "import sys, venv, ssl; print(\"base ok:\", sys.version.split()[0])"; else echo "base ok (no python)"; fi'
 docker image ls "$TAG"

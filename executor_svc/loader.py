@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,8 @@ from safetensors import safe_open
 
 if TYPE_CHECKING:
     from executor_svc.model import DecoderModel
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -92,6 +95,12 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     eos = hf.eos_token_id
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     is_qwen2 = architecture == "Qwen2ForCausalLM"
+    sliding_window = getattr(hf, "sliding_window", None)
+    if sliding_window is not None and sliding_window < hf.max_position_embeddings:
+        logger.warning(
+            "%s: sliding_window %d is ignored (full attention): outputs differ past %d tokens",
+            model_dir, sliding_window, sliding_window,
+        )
     return ModelConfig(
         architecture=architecture,
         vocab_size=hf.vocab_size,
@@ -109,7 +118,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         inv_freq=tuple(inv_freq.tolist()),
         rope_attention_scaling=float(attention_scaling),
-        sliding_window=getattr(hf, "sliding_window", None),
+        sliding_window=sliding_window,
         eos_token_ids=eos_ids,
     )
 

@@ -27,7 +27,7 @@ import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata, get_backend
 from executor_svc.loader import fingerprint, load_model
-from executor_svc.model import DecoderModel
+from executor_svc.model import DecoderModel, can_pack_for_cpu
 from executor_svc.sampler import Sampler, SamplingRow
 from pagoda.step import NewRequestData, SampledToken, SamplingParams, StepPlan, StepResult
 
@@ -116,6 +116,7 @@ class ModelRunner:
         num_threads: int | None = None,
         gpu_memory_utilization: float = 0.9,
         max_num_batched_tokens: int = 8192,
+        pack_weights: bool | None = None,
     ) -> None:
         self._device = resolve_device(device)
         if self._device.type == "cpu":
@@ -126,6 +127,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self._device)
         self._block_size = block_size
         self.model: DecoderModel = load_model(self.model_dir, self._device, self.dtype)
+        if pack_weights is None:
+            pack_weights = can_pack_for_cpu(self._device, self.dtype)
+        if pack_weights:
+            self.model.pack_for_cpu()
         self.config = self.model.config
         self.attention: AttentionBackend = get_backend(attention_backend, self._device)
         self._fingerprint = fingerprint(self.model_dir)
@@ -201,7 +206,7 @@ class ModelRunner:
         if plan.block_copies:
             src_dst = torch.tensor([(c.src, c.dst) for c in plan.block_copies], dtype=torch.int64)
             self.attention.copy_blocks([cache for pair in self.kv_caches for cache in pair], src_dst)
-        if not plan.num_scheduled_tokens:
+        if plan.total_num_scheduled_tokens == 0:
             return StepResult(step_id=plan.step_id), {}
         inputs = self.prepare_inputs(plan)
         hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attention)
@@ -227,7 +232,9 @@ class ModelRunner:
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         # Decodes first: the attention backend batches them apart from longer queries.
-        scheduled = sorted(plan.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        scheduled = sorted(
+            ((req_id, n) for req_id, n in plan.num_scheduled_tokens.items() if n > 0), key=lambda item: item[1] != 1
+        )
         req_ids = [req_id for req_id, _ in scheduled]
         states = [self._state(req_id) for req_id in req_ids]
         query_lens_list = [n for _, n in scheduled]

@@ -7,11 +7,28 @@ live in `tests/kernels`. On a machine without CUDA they run under the Triton int
 
 import triton
 
+from kernels.activation import silu_and_mul
+from kernels.copy_blocks import copy_blocks
+from kernels.paged_attention import paged_attention
+from kernels.reshape_and_cache import reshape_and_cache
+from kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kernels.rotary import rotary_embedding
+
+__all__ = [
+    "copy_blocks",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]
+
 
 def _fix_interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter turns a runtime loop bound into an int with `int(array of shape (1,))`,
-    which NumPy >= 2.4 refuses (triton-lang/triton#9171). Take the single element instead.
-    Harmless once triton carries the fix; drop it then.
+    which NumPy >= 2.4 refuses (triton-lang/triton#9171): take the single element instead.
+    Harmless once triton carries the fix; drop it then (or pin numpy < 2.4).
     """
     from triton.runtime import interpreter
 
@@ -26,20 +43,3 @@ def _fix_interpreter_scalar_index() -> None:
 
 if triton.knobs.runtime.interpret:
     _fix_interpreter_scalar_index()
-
-from kernels.activation import silu_and_mul  # noqa: E402
-from kernels.copy_blocks import copy_blocks  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
-from kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.rotary import rotary_embedding  # noqa: E402
-
-__all__ = [
-    "copy_blocks",
-    "fused_add_rms_norm",
-    "paged_attention",
-    "reshape_and_cache",
-    "rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-]

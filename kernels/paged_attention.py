@@ -284,7 +284,7 @@ def paged_attention(
     tile_n: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every query row over its request's cached K/V; returns `out` [num_tokens, num_heads, head_dim].
+    """Causal attention of every query row over its request's cached K/V, into `out` (returned).
 
     `q` [num_tokens, num_heads, head_dim]; `k_cache`, `v_cache` [num_blocks, block_size,
     num_kv_heads, head_dim] in q's dtype or float8_e4m3fn (then `k_scale`, `v_scale`
@@ -405,7 +405,9 @@ def _check_inputs(
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"q must be 3-D and k_cache 4-D, got {tuple(q.shape)} and {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache {tuple(k_cache.shape)} {k_cache.dtype}")
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache {tuple(k_cache.shape)} {k_cache.dtype}"
+        )
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:

@@ -54,14 +54,16 @@ def _reshape_and_cache_kernel(
 
     k = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask)
-    if KV_IS_FP8:
-        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+    if KV_IS_FP8:  # correctly rounded division, so the cache matches torch's x / scale bit for bit
+        k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX)
 
     k_dst = k_cache_ptr + block_id * stride_k_cache_block + slot_in_block * stride_k_cache_slot
     v_dst = v_cache_ptr + block_id * stride_v_cache_block + slot_in_block * stride_v_cache_slot
-    tl.store(k_dst + heads[:, None] * stride_k_cache_head + dims[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst + heads[:, None] * stride_v_cache_head + dims[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k_dst += heads[:, None] * stride_k_cache_head + dims[None, :]
+    v_dst += heads[:, None] * stride_v_cache_head + dims[None, :]
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
@@ -86,7 +88,7 @@ def reshape_and_cache(
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match and be 4-D")
     num_tokens, num_kv_heads, head_dim = key.shape
     if k_cache.shape[2:] != (num_kv_heads, head_dim):
-        raise ValueError(f"cache [.., .., {k_cache.shape[2]}, {k_cache.shape[3]}] does not hold key [.., {num_kv_heads}, {head_dim}]")
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold key [.., {num_kv_heads}, {head_dim}]")
     if key.dtype != value.dtype:
         raise ValueError(f"key {key.dtype} and value {value.dtype} differ")
     kv_is_fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -97,7 +99,8 @@ def reshape_and_cache(
     if kv_is_fp8 and not (k_scale > 0.0 and v_scale > 0.0):
         raise ValueError(f"fp8 scales must be positive, got k_scale={k_scale} v_scale={v_scale}")
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
-        raise ValueError(f"slot_mapping must be contiguous int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        got = f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        raise ValueError(f"slot_mapping must be contiguous int64 [{num_tokens}], got {got}")
     if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("key, value and the caches need a unit stride on head_dim")
     if len({key.device, value.device, k_cache.device, v_cache.device, slot_mapping.device}) != 1:

@@ -75,7 +75,9 @@ def _launch(
         raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must be floating point")
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-            raise ValueError(f"residual must match x: {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+            raise ValueError(
+                f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
+            )
         if residual.stride(1) != 1:
             raise ValueError("residual needs a unit last stride")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -78,7 +78,9 @@ def rotary_embedding(
     if q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError("q and k need a unit stride on head_dim")
     if positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be int32/int64 [{num_tokens}], got {positions.dtype} {tuple(positions.shape)}")
+        raise ValueError(
+            f"positions must be int32/int64 [{num_tokens}], got {positions.dtype} {tuple(positions.shape)}"
+        )
     if not positions.is_contiguous():
         raise ValueError("positions must be contiguous")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.stride(1) != 1:

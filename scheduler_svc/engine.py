@@ -214,11 +214,8 @@ class Engine:
         handle.wakeup.set()
 
     def _route(self, request: Request) -> ExecutorHandle | None:
-        """The executor caching most of the prompt, else the least loaded one that fits."""
-        need = request.num_tokens + max(0, request.max_tokens - len(request.output_token_ids))
-        fits = [h for h in self.executors.values() if h.alive and h.scheduler.can_fit(need)]
-        if not fits:
-            fits = [h for h in self.executors.values() if h.alive]
+        """The executor caching most of the prompt, else the least loaded one; None if none can hold it."""
+        fits = [h for h in self.executors.values() if h.alive and h.scheduler.can_fit(request.num_tokens + 1)]
         if not fits:
             return None
         hits = {h.executor_id: h.scheduler.kv_cache_manager.num_prefix_cached_tokens(request.all_token_ids) for h in fits}
@@ -241,6 +238,10 @@ class Engine:
     def _close(self, state: RequestState) -> None:
         if state.finish_if_done():
             reasons = [s.finish_reason for s in state.samples]
+            log.info(
+                "request %s finished: %s tokens, reasons %s",
+                state.request_id, [s.num_tokens for s in state.samples], [pb.FinishReason.Name(r) for r in reasons],
+            )
             self.metrics.observe_finish(state.arrival, len(state.params.prompt_token_ids), reasons)
         if state.done:
             self.requests.pop(state.request_id, None)
@@ -266,6 +267,7 @@ class Engine:
                 continue
             handle.pending = loop.create_future()
             handle.pending_step_id = plan.step_id
+            log.debug("executor %s step %d: %s", handle.executor_id, plan.step_id, plan.num_scheduled_tokens)
             if not await self.link.send_plan(handle.executor_id, plan):
                 self._kill(handle, "unreachable")
                 return
@@ -278,6 +280,13 @@ class Engine:
             if not handle.alive:
                 return
             self._apply(handle, handle.scheduler.update_from_output(plan, result))
+
+    def _step_loop_ended(self, handle: ExecutorHandle, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("step loop of executor %s failed", handle.executor_id, exc_info=task.exception())
+        if handle.alive:
+            self._kill(handle, "step loop failed")
 
     def _apply(self, handle: ExecutorHandle, updates) -> None:
         for update in updates:
@@ -353,6 +362,7 @@ class Engine:
         was_serving = self.serving
         self.executors[msg.executor_id] = handle
         handle.task = asyncio.create_task(self._step_loop(handle))
+        handle.task.add_done_callback(lambda task: self._step_loop_ended(handle, task))
         asyncio.ensure_future(
             self.link.send(msg.executor_id, xpb.SchedulerMessage(registered=xpb.Registered(scheduler_id="pagoda")))
         )
@@ -381,6 +391,7 @@ class Engine:
 
     def on_step_result(self, executor_id: str, msg: xpb.StepResult) -> None:
         handle = self.executors.get(executor_id)
+        log.debug("result %s step %d (pending %s)", executor_id, msg.step_id, handle and handle.pending_step_id)
         if handle is None or handle.pending is None or handle.pending.done() or msg.step_id != handle.pending_step_id:
             return
         handle.last_seen = time.monotonic()

@@ -114,8 +114,9 @@ class TorchBackend:
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[num_blocks, B, KVH, D] paged cache -> [S, KVH, num_cols * B, D] per sequence."""
-    blocks = cache[block_table]  # [S, cols, B, KVH, D]
-    num_seqs, cols, block_size, num_kv_heads, head_dim = blocks.shape
+    num_seqs, cols = block_table.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = cache.index_select(0, block_table.flatten())  # [S * cols, B, KVH, D], far faster than cache[table]
     return blocks.view(num_seqs, cols * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 

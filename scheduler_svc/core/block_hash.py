@@ -15,8 +15,9 @@ digest. blake2b gives the same keys in every process.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from hashlib import blake2b
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 ROOT_HASH = b"pagoda-prefix-root"
 

@@ -16,7 +16,7 @@ exclude the null block.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from scheduler_svc.core.block_hash import BlockHash
 

@@ -18,7 +18,7 @@ whose logits the executor must compute: at most `(num_tokens - 1) // block_size`
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from pagoda.step import BlockCopy
 from scheduler_svc.core.block_hash import ROOT_HASH, BlockHash, extend_block_hashes, hash_block_tokens

@@ -30,7 +30,7 @@ the next one).
 from __future__ import annotations
 
 import bisect
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from pagoda.step import CachedRequestData, NewRequestData, SampledToken, StepPlan, StepResult
 from scheduler_svc.core.config import SchedulerConfig
@@ -45,10 +45,15 @@ _RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
-    """Admission, token budget, preemption and n-sample forks for one executor."""
+    """Admission, token budget, preemption and n-sample forks for one executor.
+
+    Not thread-safe: one thread (the service's loop) makes every call. Between steps,
+    `check_integrity()` holds; `num_preemptions` counts preemptions since construction.
+    """
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self._max_seq_len = config.max_seq_len
         self.kv_cache_manager = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching)
         self.num_preemptions = 0
         self._requests: dict[str, Request] = {}
@@ -68,7 +73,7 @@ class Scheduler:
 
         A prompt is servable when `can_fit(len(prompt) + 1)`; anything else would wait forever.
         """
-        return 0 < num_tokens <= self.config.max_seq_len
+        return 0 < num_tokens <= self._max_seq_len
 
     def add_requests(self, requests: Sequence[Request]) -> None:
         """Queue one request, or the `n` sibling samples of one (same prompt, distinct ids).
@@ -175,6 +180,8 @@ class Scheduler:
         Requests finished (e.g. aborted) while the step ran are skipped.
         """
         self._check_result(plan, result)
+        if not plan.num_scheduled_tokens:
+            return []
         self._in_flight = None
         sampled = {token.req_id: token for token in result.sampled}
         updates = []
@@ -316,7 +323,7 @@ class Scheduler:
         token_id = request.output_token_ids[-1]
         if token_id in request.stop_token_ids and request.num_output_tokens >= request.sampling.min_tokens:
             return FinishReason.EOS if token_id in request.eos_token_ids else FinishReason.STOP_TOKEN
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_seq_len:
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self._max_seq_len:
             return FinishReason.LENGTH
         return None
 
@@ -357,10 +364,14 @@ class Scheduler:
 
     def _check_result(self, plan: StepPlan, result: StepResult) -> None:
         """Raise ValueError, changing nothing, unless `result` answers the plan in flight."""
-        if plan is not self._in_flight and plan.num_scheduled_tokens:
-            raise ValueError(f"plan {plan.step_id} is not the step in flight")
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} for plan {plan.step_id}")
+        if not plan.num_scheduled_tokens:
+            if result.sampled:
+                raise ValueError(f"step {plan.step_id} scheduled nothing but has tokens")
+            return
+        if plan is not self._in_flight:
+            raise ValueError(f"plan {plan.step_id} is not the step in flight")
         sampled_ids = {token.req_id for token in result.sampled}
         if len(sampled_ids) != len(result.sampled):
             raise ValueError(f"step {plan.step_id}: a request sampled twice")

@@ -11,7 +11,7 @@ is still computed once more at most (and not at all on a prefix-cache hit).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class SiblingGroups:

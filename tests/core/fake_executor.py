@@ -48,6 +48,8 @@ class FakeExecutor:
         self.states: dict[str, FakeRequestState] = {}
         self.slots: dict[int, int] = {}
         self.num_steps = 0
+        self.num_block_copies = 0
+        self.num_new_with_computed = 0  # prefix hits and forks
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.num_steps += 1
@@ -56,10 +58,15 @@ class FakeExecutor:
             del self.states[req_id]
         for copy in plan.block_copies:
             self._copy_block(copy.src, copy.dst)
+        self.num_block_copies += len(plan.block_copies)
+        self.num_new_with_computed += sum(1 for new in plan.new_requests if new.num_computed_tokens > 0)
         for new in plan.new_requests:
             assert new.req_id not in self.states, f"new request {new.req_id} already held"
             self.states[new.req_id] = FakeRequestState(
-                list(new.token_ids), new.num_prompt_tokens, new.sampling.seed, list(new.block_ids),
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.sampling.seed,
+                list(new.block_ids),
                 new.num_computed_tokens,
             )
         for cached in plan.cached_requests:
@@ -165,3 +172,17 @@ def make_request(
         priority=priority,
         arrival_time=arrival_time,
     )
+
+
+def reference_output(request: Request, max_seq_len: int, vocab_size: int = 64) -> list[int]:
+    """The tokens `request` must end with if it runs to a natural stop, computed directly."""
+    state = FakeRequestState(list(request.prompt_token_ids), request.num_prompt_tokens, request.sampling.seed, [], 0)
+    output: list[int] = []
+    while True:
+        token_id = next_token(state.fingerprint(len(state.token_ids) - 1), state.seed, vocab_size)
+        state.token_ids.append(token_id)
+        output.append(token_id)
+        if token_id in request.stop_token_ids and len(output) >= request.sampling.min_tokens:
+            return output
+        if len(output) >= request.max_tokens or len(state.token_ids) >= max_seq_len:
+            return output

@@ -178,3 +178,20 @@ def test_idle_stats():
     stats = scheduler.stats()
     assert stats.num_free_blocks == stats.num_total_blocks == 8
     assert stats.num_cached_blocks == 2 and stats.kv_slots_allocated == 0
+
+
+def test_an_empty_plan_carries_finished_ids_and_needs_no_result():
+    scheduler, executor = make(budget=100)
+    scheduler.add_requests([make_request("a", [1, 2, 3], 8)])
+    step(scheduler, executor)
+    scheduler.finish_requests(["a"], FinishReason.ABORTED)
+    plan = scheduler.schedule()
+    assert plan.num_scheduled_tokens == {} and plan.finished_req_ids == ["a"]
+    executor.execute(plan)
+    scheduler.add_requests([make_request("b", [4, 5], 8)])
+    in_flight = scheduler.schedule()  # an empty plan's result is optional
+    assert scheduler.update_from_output(plan, StepResult(plan.step_id)) == []
+    with pytest.raises(RuntimeError):
+        scheduler.schedule()  # the empty plan's result did not clear the step in flight
+    scheduler.update_from_output(in_flight, executor.execute(in_flight))
+    assert executor.states.keys() == {"b"}

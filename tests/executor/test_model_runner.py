@@ -180,3 +180,28 @@ def test_properties(default_runner, default_model_dir):
     from executor_svc.loader import fingerprint
 
     assert fingerprint(default_model_dir) == default_runner.fingerprint
+
+
+def test_seeded_request_ignores_its_batch_and_reports_logprobs(tiny_model_dirs):
+    runner = ModelRunner(tiny_model_dirs["llama"], num_kv_blocks=64)
+    prompt = list(range(100, 130))
+    seeded = SamplingParams(temperature=1.0, top_k=50, seed=7, logprobs=True, top_logprobs=3)
+    alone = PlanBuilder(num_blocks=64, seed=6)
+    alone.add("s", prompt, 12, seeded)
+    expected = run_to_completion(runner, alone)["s"]
+
+    crowd = PlanBuilder(num_blocks=64, seed=7)
+    crowd.add("x", list(range(5, 60)), 12, SamplingParams(temperature=1.2), chunk_sizes=[9])
+    crowd.add("s", prompt, 12, seeded, chunk_sizes=[11, 4], start_step=1)
+    crowd.add("y", list(range(300, 310)), 12, SamplingParams(temperature=0.7, seed=3))
+
+    def step(plan):
+        result, logits = runner.execute_with_logits(plan)
+        for token in result.sampled:
+            if token.req_id == "s":
+                raw = logits["s"][-1].log_softmax(-1)
+                assert token.logprob == pytest.approx(raw[token.token_id].item(), abs=1e-5)
+                assert [t for t, _ in token.top_logprobs] == raw.topk(3).indices.tolist()
+        return result
+
+    assert run_to_completion(runner, crowd, on_step=step)["s"] == expected

@@ -53,7 +53,7 @@ def make_batch(
 ) -> Batch:
     """Random q and a paged cache holding each request's K/V, blocks in random order."""
     cache_dtype = cache_dtype or dtype
-    seq_lens = [c + q for c, q in requests]
+    seq_lens = [c + n for c, n in requests]
     blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = 1 + sum(blocks_per_seq) + 3  # null block + owned + spare
     block_ids = (torch.randperm(num_blocks - 1) + 1).tolist()
@@ -73,18 +73,18 @@ def make_batch(
         v_cache[slots] = values[-1] / v_scale
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
-    num_tokens = sum(q for _, q in requests)
+    num_tokens = sum(n for _, n in requests)
     # q is a strided view, as when it is split from a fused qkv projection.
-    q = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim)[:, :num_heads]
-    query_start_loc = torch.tensor([0] + [q for _, q in requests], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim).to(dtype).to(device)[:, :num_heads]
+    query_start_loc = torch.tensor([0] + [n for _, n in requests], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return Batch(
-        q=q.to(dtype).to(device),
+        q=q,
         k_cache=k_cache.view(shape).to(cache_dtype).to(device),
         v_cache=v_cache.view(shape).to(cache_dtype).to(device),
         query_start_loc=query_start_loc.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_table=block_table.to(device),
-        max_query_len=max(q for _, q in requests),
+        max_query_len=max(n for _, n in requests),
         max_seq_len=max(seq_lens),
         keys=keys,
         values=values,
@@ -211,7 +211,7 @@ def test_fp8_split_kv(device):
 def test_long_context(num_segments, device):
     requests = [(1030, 1), (1000, 40), (7, 1)]
     if num_segments:
-        requests = [(c + q - 1, 1) for c, q in requests]
+        requests = [(c + n - 1, 1) for c, n in requests]
     batch = make_batch(
         requests, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16, device=device
     )
@@ -229,7 +229,9 @@ def test_choose_num_segments():
 
 
 def test_rejects_bad_inputs(device):
-    batch = make_batch([(3, 2)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32, device=device)
+    batch = make_batch(
+        [(3, 2)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32, device=device
+    )
     with pytest.raises(ValueError, match="block_table"):
         paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens,
                         batch.block_table.long(), 0.125, 2, 5)

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# End-to-end test of the compose deployment on this machine (`make compose-test`; not run in CI):
+#   1. start dockerd when none answers; make the Debian base image (debootstrap + docker import)
+#      when no base image is given; build pagoda:cpu with `docker build`
+#   2. docker compose up: scheduler + 2 executors, host networking (compose.host.yaml)
+#   3. wait for grpc.health.v1 SERVING (container health check and host client), stream a request
+#   4. scale to 3 executors, start several streams, `docker kill` one executor mid-stream, check
+#      that every stream completes with all its tokens
+#   5. docker compose down (the model-cache volume is kept; KEEP_STACK=1 leaves the stack up)
+#
+# Env:
+#   PAGODA_BASE_IMAGE   base for pagoda:cpu (default pagoda-base:bookworm, made here when missing;
+#                       python:3.11-slim-bookworm where Docker Hub is reachable)
+#   SKIP_BUILD=1        use the existing pagoda:cpu image
+#   NETWORK=bridge      use the compose network + published port instead of host networking
+#   PAGODA_PORT, PAGODA_EXECUTOR_PORT, PAGODA_METRICS_PORT
+#                       ports (default: free ports picked here; host networking shares the host's)
+#   STREAMS (6), MAX_TOKENS (48), THREADS (1 torch thread per executor), KEEP_STACK=1
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PROJECT=${COMPOSE_PROJECT:-pagoda-compose-test}
+NETWORK=${NETWORK:-host}
+STREAMS=${STREAMS:-6}
+MAX_TOKENS=${MAX_TOKENS:-48}
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+T0=$(date +%s)
+log() { printf '[compose-test %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
+RESULTS=()
+record() { RESULTS+=("$1"); log "$1"; }
+
+[ -x "$PY" ] || { echo "need the repository's .venv (make setup)" >&2; exit 2; }
+
+# --- 1. docker, base image, pagoda:cpu ----------------------------------------------------------
+docker/start_dockerd.sh
+if docker compose version >/dev/null 2>&1; then
+  COMPOSE=(docker compose)
+elif command -v docker-compose >/dev/null; then
+  COMPOSE=(docker-compose)
+else
+  echo "need docker compose (v2 plugin) or docker-compose (v1.29)" >&2; exit 2
+fi
+log "compose: $("${COMPOSE[@]}" version | head -1)"
+
+export PAGODA_BASE_IMAGE=${PAGODA_BASE_IMAGE:-pagoda-base:bookworm}
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  if [ "$PAGODA_BASE_IMAGE" = pagoda-base:bookworm ]; then
+    s=$(date +%s); docker/make_base_image.sh "$PAGODA_BASE_IMAGE" | tail -n 3
+    record "base image: $PAGODA_BASE_IMAGE ready in $(( $(date +%s) - s ))s (debootstrap + docker import; kept between runs)"
+  fi
+  s=$(date +%s)
+  if ! VARIANTS=cpu docker/build_images.sh >/tmp/pagoda-compose-build.log 2>&1; then
+    tail -n 40 /tmp/pagoda-compose-build.log; echo "image build failed (log /tmp/pagoda-compose-build.log)" >&2; exit 1
+  fi
+  grep -h 'verify_env ok' /tmp/pagoda-compose-build.log | sed 's/^/    /' || true
+  record "build: pagoda:cpu built in $(( $(date +%s) - s ))s, $(docker image inspect pagoda:cpu --format '{{.Size}}' | awk '{printf "%.2f GB", $1/1e9}')"
+fi
+export PAGODA_IMAGE=pagoda:cpu
+
+# --- 2. up with two executors -------------------------------------------------------------------
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+export PAGODA_PORT=${PAGODA_PORT:-$(free_port)}
+export PAGODA_EXECUTOR_PORT=${PAGODA_EXECUTOR_PORT:-$(free_port)}
+export PAGODA_METRICS_PORT=${PAGODA_METRICS_PORT:-$(free_port)}
+export PAGODA_PUBLISH=$PAGODA_PORT
+export PAGODA_NUM_THREADS=${THREADS:-1}           # 2 cores shared by 3 executors
+export PAGODA_KV_CACHE_MEMORY_GB=${PAGODA_KV_CACHE_MEMORY_GB:-0.25}
+FILES=(-f compose.yaml)
+if [ "$NETWORK" = host ]; then
+  # compose.yaml publishes the gRPC port; compose v1 (docker-py) refuses published ports with
+  # network_mode: host and an override cannot remove list entries, so render the merged
+  # configuration and drop `ports` from the host-network services.
+  RENDERED=$(mktemp /tmp/pagoda-compose-host.XXXXXX.yaml)
+  "${COMPOSE[@]}" -f compose.yaml -f compose.host.yaml config >"$RENDERED.in"
+  "$PY" - "$RENDERED.in" "$RENDERED" <<'PY'
+import sys, yaml
+doc = yaml.safe_load(open(sys.argv[1]))
+for svc in doc.get("services", {}).values():
+    if svc.get("network_mode") == "host":
+        svc.pop("ports", None)
+        svc.pop("expose", None)
+yaml.safe_dump(doc, open(sys.argv[2], "w"), sort_keys=False)
+PY
+  rm -f "$RENDERED.in"
+  FILES=(--project-directory "$ROOT" -f "$RENDERED")
+fi
+DC=("${COMPOSE[@]}" -p "$PROJECT" "${FILES[@]}")
+TARGET=127.0.0.1:$PAGODA_PORT
+
+dump_logs() {
+  log "--- docker compose ps"; "${DC[@]}" ps || true
+  log "--- logs (last 40 lines per container)"; "${DC[@]}" logs --no-color --tail=40 || true
+}
+cleanup() {
+  rc=$?
+  if [ $rc -ne 0 ]; then dump_logs; fi
+  if [ "${KEEP_STACK:-0}" = 1 ]; then
+    log "KEEP_STACK=1: stack left up (${DC[*]} down to stop it)"
+  else
+    "${DC[@]}" down --remove-orphans -t 5 >/dev/null 2>&1 || true
+    [ -n "${RENDERED:-}" ] && rm -f "$RENDERED"
+  fi
+  echo
+  echo "==================== compose-test summary ===================="
+  for line in "${RESULTS[@]}"; do echo "  $line"; done
+  if [ $rc -eq 0 ]; then echo "  RESULT: PASS"; else echo "  RESULT: FAIL (rc=$rc)"; fi
+  echo "=============================================================="
+  exit $rc
+}
+trap cleanup EXIT
+
+"${DC[@]}" down --remove-orphans -t 5 >/dev/null 2>&1 || true
+log "up: scheduler + 2 executors ($NETWORK networking, gRPC $TARGET, executors on :$PAGODA_EXECUTOR_PORT)"
+"${DC[@]}" up -d --no-build --scale executor=2 2>&1 | sed 's/^/    /'
+
+container_of() { docker ps -q --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=$1"; }
+s=$(date +%s)
+"$PY" docker/compose_client.py wait --target "$TARGET" --executors 2 --timeout 300
+health=starting
+for _ in $(seq 1 60); do
+  health=$(docker inspect --format '{{.State.Health.Status}}' "$(container_of scheduler)")
+  [ "$health" = healthy ] && break
+  sleep 2
+done
+[ "$health" = healthy ] || { log "scheduler container health: $health"; exit 1; }
+record "up: 2 executors registered, scheduler container healthy (grpc.health.v1 via docker/healthcheck.py) after $(( $(date +%s) - s ))s"
+
+# --- 3. one streamed request from the host ------------------------------------------------------
+out=$("$PY" docker/compose_client.py stream --target "$TARGET" --max-tokens 32 --timeout 180) || { echo "$out"; exit 1; }
+echo "$out" | sed 's/^/    /'
+record "stream: $(echo "$out" | grep 'client: stream:' | head -1 | sed 's/client: stream: //')"
+
+# --- 4. scale to three, kill one mid-stream -----------------------------------------------------
+s=$(date +%s)
+"${DC[@]}" up -d --no-build --no-recreate --scale executor=3 2>&1 | sed 's/^/    /'
+"$PY" docker/compose_client.py wait --target "$TARGET" --executors 3 --exact --timeout 300
+record "scale: 3 executors registered $(( $(date +%s) - s ))s after --scale executor=3"
+
+log "failover: $STREAMS streams x $MAX_TOKENS tokens; docker kill the executor running the most of them, mid-stream"
+set +e
+"$PY" docker/compose_client.py failover --target "$TARGET" --streams "$STREAMS" --max-tokens "$MAX_TOKENS" \
+  --kill-project "$PROJECT" --executors-after 2 --timeout 600 | tee /tmp/pagoda-compose-failover.log | sed 's/^/    /'
+frc=${PIPESTATUS[0]}
+set -e
+record "failover: $(grep 'SUMMARY failover' /tmp/pagoda-compose-failover.log | sed 's/client: SUMMARY failover: //')"
+[ "$frc" -eq 0 ] || exit 1
+
+# The stack still serves after the failure.
+out=$("$PY" docker/compose_client.py stream --target "$TARGET" --max-tokens 16 --timeout 180) || { echo "$out"; exit 1; }
+record "after failover: $(echo "$out" | grep 'SUMMARY' | sed 's/client: SUMMARY //'); running executors: $(container_of executor | wc -l)"
+log "compose ps:"; "${DC[@]}" ps | sed 's/^/    /'
