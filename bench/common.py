@@ -233,14 +233,20 @@ def throughput_over_time(records: list[RequestRecord], t0: float, t_end: float, 
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
+    isa = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX"))
+           if flag in flags] or (["AVX2"] if "avx2" in flags else [])
+    if isa:
+        cpu = f"{cpu} ({', '.join(isa)})"
     info = {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -264,7 +270,7 @@ def machine_line(info: dict) -> str:
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
     return (
         f"{info['cpu']}, {info['cores_usable']} of {info['cores']} cores usable{gpu}; torch {info.get('torch', '?')} "
-        f"with {info.get('torch_threads', '?')} threads; python {info['python']}; "
+        f"({info.get('torch_threads', '?')} thread(s) in this process); python {info['python']}; "
         f"load average {info['load_avg_1m']:.2f} at start (others' load skews results)"
     )
 
@@ -395,7 +401,7 @@ def plot_runs(runs: dict[str, tuple[list[RequestRecord], float, float]], path: P
         for name, (records, _, _) in runs.items():
             xs = sorted(values_of(records))
             if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+                ax.step([xs[0], *xs], [0, *((i + 1) / len(xs) for i in range(len(xs)))], where="post", label=name)
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of token gaps" if "inter-token" in label else "fraction of requests")
         ax.xaxis.get_major_formatter().set_useOffset(False)

@@ -63,7 +63,8 @@ def main() -> None:
     add_workload_flags(parser)
     add_service_flags(parser)
     parser.add_argument("--batch-size", default="16", help="baseline batch size, or a list 8,16,32: the best counts")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads of the baseline (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the baseline and of the executor (--num-threads); default: torch's")
     parser.add_argument("--warmup", type=int, default=2, help="short Pagoda requests before the measured run")
     parser.add_argument("--no-roofline", action="store_true", help="skip the matmul / bandwidth measurement")
     parser.add_argument("--out", default=None, help=f"JSON path (default {OUT_DIR}/compare-<time>.json)")
@@ -74,6 +75,8 @@ def main() -> None:
         args.spawn = True
     if args.threads:
         torch.set_num_threads(args.threads)
+        if "--num-threads" not in args.executor_args:
+            args.executor_args = f"{args.executor_args} --num-threads {args.threads}".strip()
     batch_sizes = [int(b) for b in args.batch_size.split(",")]
 
     workload = workload_from_args(args)
@@ -116,7 +119,7 @@ def main() -> None:
           f"{args.executor_args or '(defaults)'}; {server['executors'][0]['num_total_blocks']} KV blocks of "
           f"{server['block_size']}; {pagoda['summary']['num_preemptions']} preemptions")
     print(f"baseline  transformers generate, static batches of {best} (left-padded, each until its longest), "
-          f"{torch.get_num_threads()} torch threads")
+          f"{torch.get_num_threads()} torch thread(s)")
     print(f"load      1-min load average before -> after: Pagoda {load['pagoda'][0]:.1f} -> {load['pagoda'][1]:.1f}, "
           f"transformers {load['transformers'][0]:.1f} -> {load['transformers'][1]:.1f} "
           f"(each run itself adds about 2; more means other processes shared the cores)")

@@ -199,7 +199,8 @@ def main() -> None:
     print()
     print(f"machine   {machine_line(machine)}")
     print(f"model     {server['model']} on {len(server['executors'])} executor(s): {devices}")
-    print(f"service   {args.target or 'spawned'} {args.scheduler_args} {args.executor_args}".rstrip())
+    print(f"service   {args.target or 'spawned'}: scheduler {args.scheduler_args or '(defaults)'}; "
+          f"executor {args.executor_args or '(defaults)'}")
     print(f"workload  {workload.describe()}")
     print(f"preemptions during the run: {result['summary']['num_preemptions']}")
     print()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pagoda import model_files
@@ -37,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.attention_backend == "triton" and not _cuda_available(args.device):
+        # Triton kernels on the CPU run in Triton's interpreter, chosen before triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_dir = model_files.resolve_model(args.model)
 
@@ -61,11 +65,20 @@ def main(argv=None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             attention_backend=args.attention_backend,
             num_threads=args.num_threads,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
 
     worker = Worker(WorkerConfig(scheduler=args.scheduler, executor_id=args.executor_id), make_runner, model_files.fingerprint(model_dir))
     return worker.run()
+
+
+def _cuda_available(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

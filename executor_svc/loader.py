@@ -78,7 +78,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    architecture = (getattr(hf, "architectures", None) or ["?"])[0]
+    by_model_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    architecture = (getattr(hf, "architectures", None) or [by_model_type.get(hf.model_type, hf.model_type)])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {architecture!r} is not supported (expected one of {SUPPORTED_ARCHITECTURES})"
@@ -99,7 +100,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if sliding_window is not None and sliding_window < hf.max_position_embeddings:
         logger.warning(
             "%s: sliding_window %d is ignored (full attention): outputs differ past %d tokens",
-            model_dir, sliding_window, sliding_window,
+            model_dir,
+            sliding_window,
+            sliding_window,
         )
     return ModelConfig(
         architecture=architecture,
@@ -182,7 +185,7 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
     rows_filled = dict.fromkeys(params, 0)
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 target = _target(name, config)
                 if target is None:
                     continue
@@ -193,9 +196,7 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
                 param = params[param_name].data
                 rows = param if row_start is None else param.narrow(0, row_start, tensor.shape[0])
                 if rows.shape != tensor.shape:
-                    raise UnsupportedModelError(
-                        f"{name}: shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}"
-                    )
+                    raise UnsupportedModelError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
                 rows.copy_(tensor)
                 rows_filled[param_name] += tensor.shape[0]
     missing = [name for name, param in params.items() if rows_filled[name] != param.shape[0]]

@@ -12,8 +12,8 @@ can replace them without touching the model. Attention goes through an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

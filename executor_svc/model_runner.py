@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,12 +115,11 @@ class ModelRunner:
         num_threads: int | None = None,
         gpu_memory_utilization: float = 0.9,
         max_num_batched_tokens: int = 8192,
+        kv_cache_dtype: str = "auto",
         pack_weights: bool | None = None,
     ) -> None:
         self._device = resolve_device(device)
-        if self._device.type == "cpu":
-            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
-        elif num_threads:
+        if num_threads:  # else torch's default: one thread per physical core
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model_dir)
         self.dtype = resolve_dtype(dtype, self._device)
@@ -132,7 +130,9 @@ class ModelRunner:
         if pack_weights:
             self.model.pack_for_cpu()
         self.config = self.model.config
-        self.attention: AttentionBackend = get_backend(attention_backend, self._device)
+        self.attention: AttentionBackend = get_backend(attention_backend, self._device, kv_cache_dtype)
+        cache_dtype = getattr(self.attention, "cache_dtype", None)
+        self.kv_cache_dtype = cache_dtype(self.dtype) if cache_dtype else self.dtype
         self._fingerprint = fingerprint(self.model_dir)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
@@ -149,7 +149,12 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(num_kv_blocks)
         logger.info(
             "model %s on %s (%s, attention %s): %d KV blocks of %d tokens",
-            self.model_dir, self._device, self.dtype, self.attention.name, num_kv_blocks, block_size,
+            self.model_dir,
+            self._device,
+            self.dtype,
+            self.attention.name,
+            num_kv_blocks,
+            block_size,
         )
 
     # -- what the worker registers -------------------------------------------------------
@@ -186,9 +191,13 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         """K and V of one block in every layer."""
         c = self.config
-        return 2 * c.num_layers * self._block_size * c.kv_size * self.dtype.itemsize
+        return 2 * c.num_layers * self._block_size * c.kv_size * self.kv_cache_dtype.itemsize
 
     # -- one step -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every request (the scheduler re-sends them in full); the cache contents are simply stale."""
+        self.requests.clear()
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self._execute(plan, all_logits=False)[0]
@@ -325,21 +334,21 @@ class ModelRunner:
         shape = (num_blocks, self._block_size, c.num_kv_heads, c.head_dim)
         return [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self._device),
-                torch.zeros(shape, dtype=self.dtype, device=self._device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self._device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self._device),
             )
             for _ in range(c.num_layers)
         ]
 
     @torch.inference_mode()
-    def _profile_kv_memory_bytes(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
-        """GPU memory left for the KV cache after a forward of the largest batch (one long prefill)."""
-        num_tokens = min(max_num_batched_tokens, self.max_model_len)
+    def run_dummy_prefill(self, num_tokens: int, num_logits_rows: int = 256) -> torch.Tensor:
+        """One prompt of `num_tokens` through the model on a scratch cache; returns the logits' softmax.
+
+        Sizes the activation peak for `_profile_kv_memory_bytes`; the real cache is untouched.
+        """
+        device = self._device
         num_blocks = math.ceil(num_tokens / self._block_size) + 1
         caches = self._allocate_kv_caches(num_blocks)
-        torch.cuda.synchronize(self._device)
-        torch.cuda.reset_peak_memory_stats(self._device)
-        device = self._device
         meta = AttentionMetadata(
             slot_mapping=torch.arange(self._block_size, self._block_size + num_tokens, device=device),
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
@@ -351,11 +360,17 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         positions = torch.arange(num_tokens, device=device)
         hidden, residual = self.model(input_ids, positions, caches, meta, self.attention)
-        logits = self.model.compute_logits(hidden, residual, positions[-min(num_tokens, 256) :])
-        torch.softmax(logits, dim=-1)
+        logits = self.model.compute_logits(hidden, residual, positions[-min(num_tokens, num_logits_rows) :])
+        return torch.softmax(logits, dim=-1)
+
+    def _profile_kv_memory_bytes(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
+        """GPU memory left for the KV cache after a forward of the largest batch (one long prefill)."""
+        device = self._device
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        self.run_dummy_prefill(min(max_num_batched_tokens, self.max_model_len))
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
-        del caches, hidden, residual, logits
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         non_torch = total - free - torch.cuda.memory_reserved(device)

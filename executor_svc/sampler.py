@@ -90,7 +90,9 @@ class Sampler:
         if bias:
             r, t, b = zip(*bias)
             logits.index_put_(
-                (_ints(r, device), _ints(t, device)), torch.tensor(b, dtype=logits.dtype, device=device), accumulate=True
+                (_ints(r, device), _ints(t, device)),
+                torch.tensor(b, dtype=logits.dtype, device=device),
+                accumulate=True,
             )
         if min_tok:
             r, t = zip(*min_tok)
@@ -161,9 +163,7 @@ class Sampler:
         return SamplerOutput(token_ids=ids, logprobs=logprobs, top_logprobs=top)
 
 
-def filter_logits(
-    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
-) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """top_k, then top_p, then min_p (transformers' warper semantics, per row); removed -> -inf.
 
     Ties at the k-th value are kept (as TopKLogitsWarper); top_p removes the low tail whose

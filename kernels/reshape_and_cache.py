@@ -15,6 +15,23 @@ _FP8_MAX = 448.0
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """Round fp32 `x` (|x| <= 448) to the nearest e4m3 value, ties to even, so the cast is exact.
+
+    e4m3 keeps 3 mantissa bits: values in [2^e, 2^(e+1)) sit on a grid of 2^(e-3), with
+    e >= -6 (below that, the subnormal grid 2^-9). Adding and subtracting 1.5 * 2^23 * grid
+    rounds to that grid in fp32's own round-to-nearest-even. (Triton's interpreter casts
+    fp32 -> fp8 wrongly when rounding carries; a value already on the grid casts exactly
+    there and on GPUs alike.)
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)
+    magic = ((exponent - 3 + 23 + 127) << 23).to(tl.float32, bitcast=True) * 1.5
+    return (x + magic) - magic
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -55,8 +72,8 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask)
     if KV_IS_FP8:  # correctly rounded division, so the cache matches torch's x / scale bit for bit
-        k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX)
+        k = _round_to_e4m3(tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX))
+        v = _round_to_e4m3(tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX))
 
     k_dst = k_cache_ptr + block_id * stride_k_cache_block + slot_in_block * stride_k_cache_slot
     v_dst = v_cache_ptr + block_id * stride_v_cache_block + slot_in_block * stride_v_cache_slot

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from executor_svc.attention.base import AttentionBackend, AttentionMetadata
@@ -13,21 +15,26 @@ def default_backend_name(device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
-def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """The backend `name` ("auto", "torch" or "triton") for `device`; triton is imported only when asked."""
+def get_backend(name: str, device: torch.device | str, kv_cache_dtype: str = "auto") -> AttentionBackend:
+    """The backend `name` ("auto", "torch" or "triton") for `device`; triton is imported only when asked.
+
+    `kv_cache_dtype` "fp8" (e4m3, scales 1.0) needs the triton backend.
+    """
     if name == "auto":
         name = default_backend_name(device)
     if name == "torch":
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs --attention-backend triton")
         from executor_svc.attention.torch_backend import TorchBackend
 
         return TorchBackend(device)
     if name == "triton":
-        if torch.device(device).type != "cuda":
-            raise ValueError(f"attention backend 'triton' needs a CUDA device, not {device}")
+        if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1), not {device}")
         from executor_svc.attention.triton_backend import TritonBackend
 
-        return TritonBackend(device)
+        return TritonBackend(device, kv_cache_dtype=kv_cache_dtype)
     raise ValueError(f"unknown attention backend {name!r} (expected auto or one of {BACKEND_NAMES})")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKEND_NAMES", "default_backend_name", "get_backend"]
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "default_backend_name", "get_backend"]

@@ -1,20 +1,24 @@
 """`torch`: the portable attention backend (default on the CPU), built on scaled_dot_product_attention.
 
 No Python loop over sequences. Once per step (the first layer to see a new
-`AttentionMetadata`) the backend derives a `_StepLayout`, reused by every layer:
+`AttentionMetadata`) the backend derives a `_StepLayout`, reused by every layer, that
+splits the sequences into at most two groups, each attended in one SDPA call:
 
-  * decodes (query length 1) are attended together as one batch. The g = H / KVH query
-    heads that share a KV head become g query rows, so GQA needs no K/V repeat:
+  * decodes (query length 1). The g = H / KVH query heads that share a KV head become g
+    query rows, so GQA needs no K/V repeat:
 
         q [S, KVH, g, D]  x  K [S, KVH, L, D]      mask [S, 1, 1, L]:  key j < seq_len
 
-  * longer queries (prefill chunks) are padded to the longest one:
+  * longer queries (prefill chunks), padded to the longest one (SDPA's enable_gqa):
 
-        q [S, KVH, g * Q, D]  x  K [S, KVH, L, D]  mask [S, 1, g * Q, L]:
-              key j <= context_len + query row,  query row < query_len
+        q [S, H, Q, D]  x  K [S, KVH, L, D]        mask [S, 1, Q, L]:
+              key j <= context_len + query row   (padded rows see key 0 only)
+
+    A lone longer query without context (a whole prompt, or its first chunk) is plain
+    causal attention on this step's k and v: no gather, no mask.
 
 K and V are gathered from the paged cache a whole block at a time through the block
-table (`k_cache[block_table]`), L = blocks needed by the longest sequence x block_size.
+table (`index_select` of block rows), L = blocks needed by the longest sequence x block_size.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ class _Group:
 
     token_rows: torch.Tensor | slice  # rows of q / output, in the group's order
     block_table: torch.Tensor  # [S, num_blocks] int64
-    mask: torch.Tensor  # bool, broadcastable to [S, 1, g * Q, L]
+    mask: torch.Tensor | None  # bool: [S, 1, 1, L] for decodes, [S, 1, Q, L] for longer queries
     query_len: int  # Q: 1 for decodes, else the padded length
     pad_index: torch.Tensor | None  # [S, Q] token row per padded query (None for decodes)
     valid: torch.Tensor | None  # [S, Q] bool: a real query row
+    causal_self: bool = False  # a single sequence without context: plain causal attention on k, v
 
 
 @dataclass
@@ -64,29 +69,37 @@ class TorchBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        group_size = num_heads // num_kv_heads
-        layout = self._layout_for(meta, k_cache.shape[1], group_size)
+        layout = self._layout_for(meta, k_cache.shape[1])
         self._write_kv(k, v, k_cache, v_cache, layout)
 
+        groups = layout.groups
+        if len(groups) == 1 and isinstance(groups[0].token_rows, slice):  # the whole batch in one call
+            return self._attend(groups[0], q, k, v, k_cache, v_cache, scale)
         out = torch.empty_like(q)
-        for g in layout.groups:
-            keys = _gather(k_cache, g.block_table)
-            values = _gather(v_cache, g.block_table)
-            num_seqs = g.block_table.shape[0]
-            if g.pad_index is None:  # decodes: one query row per head
-                query = q[g.token_rows].view(num_seqs, num_kv_heads, group_size, head_dim)
-            else:  # [S, Q, KVH, g, D] -> [S, KVH, g * Q, D]
-                query = q[g.pad_index].view(num_seqs, g.query_len, num_kv_heads, group_size, head_dim)
-                query = query.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group_size * g.query_len, head_dim)
-            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, scale=scale)
-            if g.pad_index is None:
-                out[g.token_rows] = o.reshape(num_seqs, num_heads, head_dim)
-            else:  # [S, KVH, g * Q, D] -> [S, Q, H, D] -> real rows
-                o = o.view(num_seqs, num_kv_heads, group_size, g.query_len, head_dim).permute(0, 3, 1, 2, 4)
-                out[g.token_rows] = o.reshape(num_seqs, g.query_len, num_heads, head_dim)[g.valid]
+        for g in groups:
+            out[g.token_rows] = self._attend(g, q, k, v, k_cache, v_cache, scale)
         return out
+
+    @staticmethod
+    def _attend(g: _Group, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """The group's output rows, [num_group_tokens, H, D] in `g.token_rows` order."""
+        _, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group_size = num_heads // num_kv_heads
+        if g.causal_self:  # one sequence, no context: its keys are this step's k and v
+            query, keys, values = (x[g.token_rows].transpose(0, 1)[None] for x in (q, k, v))
+            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+            return o[0].transpose(0, 1)
+        keys = _gather(k_cache, g.block_table)
+        values = _gather(v_cache, g.block_table)
+        num_seqs = g.block_table.shape[0]
+        if g.pad_index is None:  # decodes: the group's query heads are the rows of their KV head
+            query = q[g.token_rows].view(num_seqs, num_kv_heads, group_size, head_dim)
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, scale=scale)
+            return o.reshape(num_seqs, num_heads, head_dim)
+        query = q[g.pad_index].transpose(1, 2)  # [S, Q, H, D] -> [S, H, Q, D]
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2)[g.valid]
 
     def copy_blocks(self, caches: list[torch.Tensor], src_dst: torch.Tensor) -> None:
         if src_dst.numel() == 0:
@@ -105,9 +118,9 @@ class TorchBackend:
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, layout.write_slots, k.to(k_cache.dtype))
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, layout.write_slots, v.to(v_cache.dtype))
 
-    def _layout_for(self, meta: AttentionMetadata, block_size: int, group_size: int) -> _StepLayout:
+    def _layout_for(self, meta: AttentionMetadata, block_size: int) -> _StepLayout:
         if meta is not self._layout_meta:
-            self._layout = _build_layout(meta, block_size, group_size)
+            self._layout = _build_layout(meta, block_size)
             self._layout_meta = meta
         return self._layout
 
@@ -120,7 +133,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return blocks.view(num_seqs, cols * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
-def _build_layout(meta: AttentionMetadata, block_size: int, group_size: int) -> _StepLayout:
+def _build_layout(meta: AttentionMetadata, block_size: int) -> _StepLayout:
     slot_mapping = meta.slot_mapping.long()
     written = slot_mapping >= 0
     if bool(written.all()):
@@ -141,9 +154,8 @@ def _build_layout(meta: AttentionMetadata, block_size: int, group_size: int) -> 
         whole = decode_ids.numel() == num_seqs
         groups.append(_decode_group(decode_ids, starts, seq_lens, meta.block_table, block_size, whole))
     if prefill_ids.numel():
-        groups.append(
-            _prefill_group(prefill_ids, starts, query_lens, seq_lens, meta.block_table, block_size, group_size)
-        )
+        whole = prefill_ids.numel() == num_seqs
+        groups.append(_prefill_group(prefill_ids, starts, query_lens, seq_lens, meta.block_table, block_size, whole))
     return _StepLayout(write_rows=write_rows, write_slots=write_slots, groups=groups)
 
 
@@ -175,10 +187,14 @@ def _prefill_group(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     block_size: int,
-    group_size: int,
+    whole: bool,
 ) -> _Group:
     lens, qlens, first = seq_lens[seq_ids], query_lens[seq_ids], starts[seq_ids]
     max_query_len = int(qlens.max())
+    if seq_ids.numel() == 1 and int(lens[0]) == max_query_len:
+        start = int(first[0])
+        rows = slice(None) if whole else slice(start, start + max_query_len)
+        return _Group(rows, block_table[:0], None, max_query_len, None, None, causal_self=True)
     table = _table(block_table, seq_ids, int(lens.max()), block_size)
     rows = torch.arange(max_query_len, device=lens.device)
     valid = rows[None, :] < qlens[:, None]  # [S, Q]
@@ -187,15 +203,5 @@ def _prefill_group(
     # query row r of sequence i sits at position context_len_i + r and sees keys 0..that position;
     # padded rows see key 0 only, so no row of the softmax is empty.
     last_key = torch.where(valid, (lens - qlens)[:, None] + rows[None, :], 0)  # [S, Q]
-    mask = keys[None, None, :] <= last_key[:, :, None]  # [S, Q, L]
-    num_seqs, num_keys = mask.shape[0], mask.shape[2]
-    mask = mask[:, None].expand(num_seqs, group_size, max_query_len, num_keys)  # query rows ordered (g, Q)
-    mask = mask.reshape(num_seqs, 1, group_size * max_query_len, num_keys)
-    return _Group(
-        token_rows=pad_index[valid],
-        block_table=table,
-        mask=mask,
-        query_len=max_query_len,
-        pad_index=pad_index,
-        valid=valid,
-    )
+    mask = (keys[None, None, :] <= last_key[:, :, None])[:, None]  # [S, 1, Q, L]
+    return _Group(pad_index[valid], table, mask, max_query_len, pad_index, valid)

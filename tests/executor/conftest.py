@@ -10,6 +10,16 @@ import torch
 TINY_VOCAB = 1024
 
 
+@pytest.fixture(scope="package", autouse=True)
+def one_torch_thread():
+    """The executor tests run on one thread: on a shared 2-core machine, two OpenMP threads
+    wait on each other whenever another process holds a core (several times slower)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from pagoda.model_files import resolve_model
@@ -36,18 +46,18 @@ def default_runner(default_model_dir):
 def _tiny_config(kind: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = {
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.1,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     if kind == "llama":  # llama3 RoPE scaling, untied LM head, saved in shards
         return LlamaConfig(
             **common,
@@ -62,7 +72,9 @@ def _tiny_config(kind: str):
             },
         )
     if kind == "qwen2":  # q/k/v bias, tied embeddings
-        return Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        return Qwen2Config(
+            **common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+        )
     if kind == "mistral":  # head_dim (32) != hidden / heads (16)
         return MistralConfig(**common, head_dim=32, tie_word_embeddings=False)
     raise ValueError(kind)

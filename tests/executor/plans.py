@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from pagoda.step import CachedRequestData, NewRequestData, SamplingParams, StepPlan, StepResult
 
+GREEDY = SamplingParams(temperature=0.0)
+
 
 @dataclass
 class _Request:
@@ -47,7 +49,7 @@ class PlanBuilder:
         req_id: str,
         prompt: list[int],
         max_tokens: int,
-        sampling: SamplingParams = SamplingParams(temperature=0.0),
+        sampling: SamplingParams = GREEDY,
         chunk_sizes: list[int] | None = None,
         start_step: int = 0,
     ) -> None:
@@ -76,7 +78,11 @@ class PlanBuilder:
                 r.sent = True
                 plan.new_requests.append(
                     NewRequestData(
-                        r.req_id, list(r.token_ids), r.num_prompt_tokens, r.sampling, list(r.block_ids),
+                        r.req_id,
+                        list(r.token_ids),
+                        r.num_prompt_tokens,
+                        r.sampling,
+                        list(r.block_ids),
                         r.num_computed_tokens,
                     )
                 )

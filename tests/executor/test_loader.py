@@ -21,7 +21,12 @@ from executor_svc.loader import (
 def test_default_model_config(default_model_dir):
     c = load_config(default_model_dir)
     assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
-        "LlamaForCausalLM", 30, 576, 9, 3, 64
+        "LlamaForCausalLM",
+        30,
+        576,
+        9,
+        3,
+        64,
     )
     assert c.tie_word_embeddings and not c.qkv_bias and c.vocab_size == 49152
     assert c.eos_token_ids == (2,)
@@ -47,12 +52,12 @@ def test_sharded_checkpoint_loads_every_tensor(tiny_model_dirs):
     tensors = {}
     for f in files:
         with safe_open(str(f), "pt") as st:
-            tensors.update({k: st.get_tensor(k) for k in st.keys()})
+            tensors.update({k: st.get_tensor(k) for k in st.keys()})  # noqa: SIM118
     layer = model.layers[1]
-    q, k, v = layer.qkv_proj.weight.split((c.q_size, c.kv_size, c.kv_size))
+    q, _k, v = layer.qkv_proj.weight.split((c.q_size, c.kv_size, c.kv_size))
     assert torch.equal(q, tensors["model.layers.1.self_attn.q_proj.weight"])
     assert torch.equal(v, tensors["model.layers.1.self_attn.v_proj.weight"])
-    gate, up = layer.gate_up_proj.weight.chunk(2)
+    _gate, up = layer.gate_up_proj.weight.chunk(2)
     assert torch.equal(up, tensors["model.layers.1.mlp.up_proj.weight"])
     assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
 

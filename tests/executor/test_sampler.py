@@ -139,8 +139,9 @@ def test_seed_and_position_drive_the_draw():
     again = [Sampler()(logits, [row(params, [0] * n)]).token_ids[0] for n in range(1, 30)]
     assert draws == again
     assert len(set(draws)) > 20  # a fresh draw at each position
-    other_seed = [Sampler()(logits, [row(SamplingParams(temperature=1.0, seed=8), [0] * n)]).token_ids[0]
-                  for n in range(1, 30)]
+    other_seed = [
+        Sampler()(logits, [row(SamplingParams(temperature=1.0, seed=8), [0] * n)]).token_ids[0] for n in range(1, 30)
+    ]
     assert other_seed != draws
 
 

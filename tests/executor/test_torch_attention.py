@@ -61,6 +61,8 @@ CASES = [
     ([14, 15, 16, 17, 0, 299], [1, 1, 1, 1, 1, 1]),  # decodes only
     ([0, 0, 0], [1, 15, 17]),  # prefills only
     ([40, 0, 16, 3, 100], [1, 33, 1, 16, 7]),  # decodes among chunked prefills with context
+    ([5, 0, 9], [1, 20, 1]),  # one prompt from its start beside decodes
+    ([40], [33]),  # one chunk with context
     ([0], [1000]),
 ]
 

@@ -61,7 +61,8 @@ class Service:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.wait_serving(self.num_executors)
+        if self.num_executors:
+            self.wait_serving(self.num_executors)
         return self
 
     def add_executor(self, extra_args=()) -> subprocess.Popen:
@@ -171,16 +172,20 @@ def greedy_request(prompt_ids=None, chat=None, text=None, max_tokens=32, request
     return req
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None, ignore_eos=False) -> list[int]:
-    if ignore_eos:
-        model.generation_config.eos_token_id = None
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """transformers' greedy continuation of `prompt_ids` (stops at EOS unless `ignore_eos`)."""
     with torch.inference_mode():
+        if ignore_eos:  # transformers' own forward with its KV cache, argmax each step, no EOS check
+            out = model(torch.tensor([prompt_ids]), use_cache=True)
+            tokens = [int(out.logits[0, -1].argmax())]
+            while len(tokens) < max_new_tokens:
+                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+                tokens.append(int(out.logits[0, -1].argmax()))
+            return tokens
         out = model.generate(
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id,
-            pad_token_id=model.generation_config.pad_token_id,
         )
     return out[0, len(prompt_ids) :].tolist()

@@ -1,0 +1,128 @@
+"""KV memory through the real service: preemption, prefix caching, n samples sharing blocks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pagoda.v1 import generation_pb2 as pb
+from tests.service.harness import Service, collect, greedy_request, hf_greedy
+
+SYSTEM = (
+    "You are Pagoda's test assistant. Answer briefly and precisely. Prefer short sentences. "
+    "Never invent facts; say so when you do not know. Use metric units. Dates are ISO 8601. "
+    "When asked for code, answer in Python with type hints and no comments. "
+    "When asked for a list, give at most three items. Keep a friendly, professional tone."
+)
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_preemption_keeps_every_greedy_output(hf_reference):
+    """48 KV blocks (752 token slots) for 12 requests of ~100 + 96 tokens: preemption must happen."""
+    model, tokenizer = hf_reference
+    topics = ["rivers", "mountains", "volcanoes", "deserts", "forests", "glaciers", "oceans", "islands",
+              "caves", "lakes", "canyons", "reefs"]
+    prompts = [
+        chat_ids(tokenizer, [{"role": "user", "content": f"Tell me about {t}. " + "Be detailed, thorough and precise in every answer. " * 8}])
+        for t in topics
+    ]
+    assert all(90 <= len(p) <= 130 for p in prompts), [len(p) for p in prompts]
+    with Service(executor_args=["--num-kv-blocks", "48"], scheduler_args=["--max-num-batched-tokens", "256"]) as svc:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(
+                pool.map(
+                    lambda p: collect(svc.stub.Generate(greedy_request(prompt_ids=p, max_tokens=96, ignore_eos=True), timeout=900)),
+                    prompts,
+                )
+            )
+        info = svc.wait_all_blocks_free()
+        assert info.num_preemptions > 0
+        assert info.executors[0].num_total_blocks == 47
+        assert info.executors[0].num_free_blocks == 47
+    for prompt, result in zip(prompts, results):
+        tokens = result["outputs"][0]["token_ids"]
+        assert len(tokens) == 96
+        assert tokens == hf_greedy(model, prompt, 96, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def service():
+    with Service(scheduler_args=["--max-num-batched-tokens", "512"]) as svc:
+        yield svc
+
+
+def test_shared_system_prompt_hits_the_prefix_cache(service, hf_reference):
+    model, tokenizer = hf_reference
+    questions = ["What is 2 + 2?", "Name a primary color.", "What is the boiling point of water?", "Say hello."]
+    prompts = [chat_ids(tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in questions]
+    first = collect(service.stub.Generate(greedy_request(prompt_ids=prompts[0], max_tokens=8), timeout=120))
+    assert first["first"].prompt_info.num_cached_tokens == 0
+    for prompt in prompts[1:]:
+        common = next(i for i, (a, b) in enumerate(zip(prompt, prompts[0])) if a != b)
+        result = collect(service.stub.Generate(greedy_request(prompt_ids=prompt, max_tokens=8), timeout=120))
+        assert common > 64
+        assert result["first"].prompt_info.num_cached_tokens == (common // 16) * 16
+        assert result["last"].usage.cached_prompt_tokens == (common // 16) * 16
+        assert result["outputs"][0]["token_ids"] == hf_greedy(model, prompt, 8)
+    info = service.wait_all_blocks_free()
+    assert info.executors[0].num_cached_blocks > 0
+    assert info.executors[0].num_free_blocks == info.executors[0].num_total_blocks
+
+
+def _sampled_request(prompt, n, seed, max_tokens):
+    req = pb.GenerateRequest()
+    req.token_ids.ids.extend(prompt)
+    req.sampling.temperature = 1.0
+    req.sampling.n = n
+    req.sampling.seed = seed
+    req.stopping.max_tokens = max_tokens
+    req.stopping.ignore_eos = True
+    return req
+
+
+def test_n_samples_share_the_prompt_blocks_and_replay_with_the_seed(service, hf_reference):
+    _, tokenizer = hf_reference
+    prompt = chat_ids(tokenizer, [{"role": "system", "content": SYSTEM * 2}, {"role": "user", "content": "Write a short poem about tea."}])
+    prompt_blocks = -(-len(prompt) // 16)
+    assert prompt_blocks >= 10
+    peak_in_use = []
+    running_seen = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            info = service.server_info()
+            e = info.executors[0]
+            if e.num_running == 4:
+                running_seen.append(True)
+                peak_in_use.append(e.num_total_blocks - e.num_free_blocks)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        first = collect(service.stub.Generate(_sampled_request(prompt, 4, 1234, 48), timeout=300))
+    finally:
+        done.set()
+        watcher.join()
+    outputs = first["outputs"]
+    assert sorted(outputs) == [0, 1, 2, 3]
+    assert all(len(o["token_ids"]) == 48 for o in outputs.values())
+    assert len({tuple(o["token_ids"]) for o in outputs.values()}) > 1  # different seeds, different samples
+    assert first["last"].usage.completion_tokens == 4 * 48
+    # Four samples running at once hold the prompt's blocks once: far fewer than 4 copies.
+    assert running_seen
+    assert max(peak_in_use) < prompt_blocks + 4 * (48 // 16 + 2)
+    assert max(peak_in_use) < 2 * prompt_blocks
+
+    again = collect(service.stub.Generate(_sampled_request(prompt, 4, 1234, 48), timeout=300))
+    assert {i: o["token_ids"] for i, o in again["outputs"].items()} == {i: o["token_ids"] for i, o in outputs.items()}
+    info = service.wait_all_blocks_free()
+    assert info.executors[0].num_free_blocks == info.executors[0].num_total_blocks
