@@ -30,6 +30,7 @@ from bench.common import (  # noqa: E402
     OUT_DIR,
     RequestRecord,
     RequestSpec,
+    RunQueueSampler,
     add_workload_flags,
     exit_on_sigterm,
     machine_info,
@@ -126,8 +127,11 @@ def run_static_batches(
 def run_baseline(hf, pad_id: int, specs: list[RequestSpec], batch_size: int, max_concurrency: int | None = None) -> dict:
     warm = [RequestSpec(0, [1000 + j for j in range(32)], 4, 0.0), RequestSpec(1, [2000 + j for j in range(16)], 4, 0.0)]
     generate_batch(hf, pad_id, warm)
-    records, t0, t_end = run_static_batches(hf, pad_id, specs, batch_size, max_concurrency)
-    return {"records": records, "t0": t0, "t_end": t_end, "summary": summarize(records, t0, t_end)}
+    with RunQueueSampler() as load:
+        records, t0, t_end = run_static_batches(hf, pad_id, specs, batch_size, max_concurrency)
+    summary = summarize(records, t0, t_end)
+    summary["runnable_tasks"] = load.mean()
+    return {"records": records, "t0": t0, "t_end": t_end, "summary": summary}
 
 
 def main() -> None:

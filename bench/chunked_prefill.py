@@ -33,6 +33,7 @@ from bench.common import (  # noqa: E402
     SAFE_TOKEN_IDS,
     RequestRecord,
     RequestSpec,
+    RunQueueSampler,
     exit_on_sigterm,
     format_table,
     machine_info,
@@ -132,6 +133,7 @@ ROWS = [
     ("streams' ITL max, whole run ms", "itl_all_max_ms"),
     ("long prompt TTFT ms", "long_ttft_ms"),
     ("streams' output tokens/s", "stream_tokens_per_s"),
+    ("runnable tasks (mean; more than the threads = shared cores)", "runnable_tasks"),
 ]
 
 
@@ -197,12 +199,13 @@ def main() -> None:
             target = f"127.0.0.1:{svc.port}"
             try:
                 warm_up(target, 2)
-                results[budget] = asyncio.run(run_experiment(target, args, args.seed))
+                with RunQueueSampler() as load:
+                    results[budget] = asyncio.run(run_experiment(target, args, args.seed))
                 server = server_snapshot(target)
             except BaseException:
                 print(svc.logs())
                 raise
-        summaries[budget] = analyse(results[budget])
+        summaries[budget] = {**analyse(results[budget]), "runnable_tasks": load.mean()}
         s = summaries[budget]
         print(f"  ITL max in window {s['itl_window_max_ms']:.0f} ms, long TTFT {s['long_ttft_ms']:.0f} ms", flush=True)
 

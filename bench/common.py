@@ -266,6 +266,37 @@ def machine_info() -> dict:
     return info
 
 
+class RunQueueSampler:
+    """Samples the number of runnable tasks (/proc/loadavg) twice a second while a run goes on:
+    on a machine shared with others, a mean well above the run's own processes means contention."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        import threading
+
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(period_s,), daemon=True)
+
+    def _loop(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            try:
+                running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+            except (OSError, ValueError, IndexError):
+                return
+            self.samples.append(running - 1)  # less this sampler
+
+    def mean(self) -> float:
+        return sum(self.samples) / len(self.samples) if self.samples else float("nan")
+
+    def __enter__(self) -> "RunQueueSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def machine_line(info: dict) -> str:
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
     return (
@@ -306,6 +337,7 @@ METRIC_ROWS = [
     ("E2E p50 ms", "e2e_p50_ms"),
     ("E2E p90 ms", "e2e_p90_ms"),
     ("E2E p99 ms", "e2e_p99_ms"),
+    ("runnable tasks (mean)", "runnable_tasks"),
     ("errors", "num_errors"),
     ("wrong output lengths", "num_wrong_length"),
 ]
@@ -321,7 +353,7 @@ def metrics_table(columns: dict[str, dict], ratio_of: tuple[str, str] | None = N
         row = [label, *(columns[n].get(key, float("nan")) for n in names)]
         if ratio_of:
             a, b = columns[ratio_of[0]].get(key), columns[ratio_of[1]].get(key)
-            if key.startswith("num_") or not a or not b or a != a or b != b:
+            if key.startswith("num_") or key == "runnable_tasks" or not a or not b or a != a or b != b:
                 row.append("")
             else:
                 row.append(f"{a / b if key.endswith('_per_s') else b / a:.2f}x")

@@ -17,7 +17,6 @@ Pagoda), and checks the aim:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -88,24 +87,19 @@ def main() -> None:
         roof = roofline(args.model, seconds=0.3, specs=specs)
         print("\n".join(f"roofline  {line}" for line in roofline_lines(roof)), flush=True)
 
-    load = {}
     print(f"\n[1/2] Pagoda: {workload.describe()}", flush=True)
     with service_target(args) as target:
-        load["pagoda"] = [os.getloadavg()[0]]
         pagoda = run_pagoda(target, specs, workload.max_concurrency, args.warmup)
-        load["pagoda"].append(os.getloadavg()[0])
     print(f"      {pagoda['summary']['output_tokens_per_s']:.1f} output tokens/s in {pagoda['summary']['duration_s']:.1f} s",
           flush=True)
 
     hf, pad_id, name = load_model(args.model)
-    load["transformers"] = [os.getloadavg()[0]]
     baselines = {}
     for b in batch_sizes:
         print(f"[2/2] transformers static batches of {b}", flush=True)
         baselines[b] = run_baseline(hf, pad_id, specs, b, workload.max_concurrency)
         print(f"      {baselines[b]['summary']['output_tokens_per_s']:.1f} output tokens/s in "
               f"{baselines[b]['summary']['duration_s']:.1f} s", flush=True)
-    load["transformers"].append(os.getloadavg()[0])
     best = max(baselines, key=lambda b: baselines[b]["summary"]["output_tokens_per_s"])
     base = baselines[best]
     hf_label = f"transformers b={best}"
@@ -120,12 +114,12 @@ def main() -> None:
           f"{server['block_size']}; {pagoda['summary']['num_preemptions']} preemptions")
     print(f"baseline  transformers generate, static batches of {best} (left-padded, each until its longest), "
           f"{torch.get_num_threads()} torch thread(s)")
-    print(f"load      1-min load average before -> after: Pagoda {load['pagoda'][0]:.1f} -> {load['pagoda'][1]:.1f}, "
-          f"transformers {load['transformers'][0]:.1f} -> {load['transformers'][1]:.1f} "
-          f"(each run itself adds about 2; more means other processes shared the cores)")
     if len(baselines) > 1:
         print("          " + ", ".join(f"b={b}: {r['summary']['output_tokens_per_s']:.1f} tok/s"
                                        for b, r in baselines.items()))
+    print(f"cpu load  runnable tasks on average: {pagoda['summary']['runnable_tasks']:.1f} during Pagoda, "
+          f"{base['summary']['runnable_tasks']:.1f} during transformers, on {machine['cores_usable']} cores "
+          f"(alone, a run keeps about its threads runnable; more = the cores were shared)")
     print()
     print(metrics_table({"pagoda": pagoda["summary"], hf_label: base["summary"]}, ratio_of=("pagoda", hf_label)))
     same, share = token_agreement(pagoda["records"], base["records"])
@@ -143,7 +137,7 @@ def main() -> None:
 
     out = Path(args.out) if args.out else OUT_DIR / f"compare-{timestamp()}.json"
     write_json(out, {
-        "machine": machine, "model": name, "workload": workload, "server": server, "roofline": roof, "load_avg": load,
+        "machine": machine, "model": name, "workload": workload, "server": server, "roofline": roof,
         "ratio_output_tokens_per_s": ratio, "aim": AIM,
         "pagoda": {"summary": pagoda["summary"], "requests": records_json(pagoda["records"], pagoda["t0"])},
         "transformers": {str(b): {"summary": r["summary"], "requests": records_json(r["records"], r["t0"])}

@@ -30,6 +30,7 @@ from bench.common import (  # noqa: E402
     OUT_DIR,
     RequestRecord,
     RequestSpec,
+    RunQueueSampler,
     add_workload_flags,
     exit_on_sigterm,
     machine_info,
@@ -131,10 +132,12 @@ def run_pagoda(
     """Warm up, run the workload, and return records, times, summary and server facts."""
     warm_up(target, warmup)
     before = server_snapshot(target)
-    records, t0, t_end = asyncio.run(run_requests(target, specs, max_concurrency, timeout_s))
+    with RunQueueSampler() as load:
+        records, t0, t_end = asyncio.run(run_requests(target, specs, max_concurrency, timeout_s))
     after = server_snapshot(target)
     summary = summarize(records, t0, t_end)
     summary["num_preemptions"] = after["num_preemptions"] - before["num_preemptions"]
+    summary["runnable_tasks"] = load.mean()
     return {"records": records, "t0": t0, "t_end": t_end, "summary": summary, "server": after}
 
 
