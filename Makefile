@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f
 PROTOS := $(wildcard protos/pagoda/v1/*.proto)
 GEN    := pagoda/v1/.generated
 
-.PHONY: setup run test protos bench gpu-check compose-test clean
+.PHONY: setup run test protos gpu-check images compose-test clean
 
 setup: $(STAMP) $(GEN)
 
@@ -32,6 +32,13 @@ test: setup
 
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# Docker: images (base from debootstrap when no registry is reachable), then the compose test.
+images:
+	PAGODA_BASE_IMAGE=$${PAGODA_BASE_IMAGE:-pagoda-base:bookworm} docker/build_images.sh
+
+compose-test: setup
+	./scripts/compose_test.sh
 
 clean:
 	rm -rf $(VENV) pagoda/v1 .pytest_cache

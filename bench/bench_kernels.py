@@ -127,7 +127,7 @@ class PagedBatch:
     max_seq_len: int
 
     def attend(self, **kwargs) -> torch.Tensor:
-        from kernels import paged_attention
+        from kernels.paged_attention import paged_attention
 
         return paged_attention(self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens,
                                self.block_table, self.q.shape[-1] ** -0.5, 1, self.max_seq_len, **kwargs)
@@ -187,7 +187,7 @@ def bench_decode_attention(plan: Plan, device: torch.device, peak_gbs: float) ->
 
 
 def bench_prefill_attention(plan: Plan, device: torch.device) -> list[dict]:
-    from kernels import paged_attention
+    from kernels.paged_attention import paged_attention
 
     h = plan.heads
     rows = []
@@ -293,7 +293,9 @@ def random_weights(config, device: torch.device) -> Weights:
 def bench_model(plan: Plan, device: torch.device, smoke: bool) -> list[dict]:
     from executor_svc.attention.base import AttentionMetadata
     from executor_svc.attention.triton_backend import TritonBackend
-    from kernels import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+    from kernels.activation import silu_and_mul
+    from kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from kernels.rotary import rotary_embedding
 
     config = llama_config(smoke)
     weights = random_weights(config, device)

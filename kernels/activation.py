@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels._interpreter  # noqa: F401  (interpreter fix, when interpreting)
+
 _BLOCK = 1024
 
 

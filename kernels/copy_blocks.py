@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels._interpreter  # noqa: F401  (interpreter fix, when interpreting)
+
 _CHUNK = 2048
 
 

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels._interpreter  # noqa: F401  (interpreter fix, when interpreting)
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_SEGMENTS = 64
 _MIN_TILES_PER_SEGMENT = 4

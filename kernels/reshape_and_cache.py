@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels._interpreter  # noqa: F401  (interpreter fix, when interpreting)
+
 _FP8_MAX = 448.0
 
 

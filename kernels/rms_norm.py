@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels._interpreter  # noqa: F401  (interpreter fix, when interpreting)
+
 _MAX_HIDDEN = 65536
 
 

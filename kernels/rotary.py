@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels._interpreter  # noqa: F401  (interpreter fix, when interpreting)
+
 
 @triton.jit
 def _rotate_heads(

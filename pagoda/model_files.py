@@ -63,9 +63,12 @@ def model_name(model: str | None) -> str:
 
 
 def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize `gguf_path` once into `<cache>/<stem>-<key>/`; safe when processes race."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    """Dequantize `gguf_path` once into `<cache>/<stem>-<key>/`; safe when processes race.
+
+    The key comes from the file's size and content (its first and last 4 MiB), not its path or
+    mtime, so a reinstalled package or a copy elsewhere reuses the conversion.
+    """
+    key = _content_key(gguf_path)
     target = cache_dir() / f"{gguf_path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
@@ -78,6 +81,17 @@ def convert_gguf(gguf_path: Path) -> Path:
         _write_hf_directory(gguf_path, tmp)
         os.replace(tmp, target)
     return target
+
+
+def _content_key(path: Path, sample: int = 4 << 20) -> str:
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(sample))
+        if size > sample:
+            f.seek(max(sample, size - sample))
+            digest.update(f.read(sample))
+    return digest.hexdigest()[:16]
 
 
 def _write_hf_directory(gguf_path: Path, out: Path) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 
 from executor_svc.attention.base import AttentionMetadata
-from kernels import copy_blocks, paged_attention, reshape_and_cache
+from kernels.copy_blocks import copy_blocks
+from kernels.paged_attention import paged_attention
+from kernels.reshape_and_cache import reshape_and_cache
 
 _FP8 = torch.float8_e4m3fn
 

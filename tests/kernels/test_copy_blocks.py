@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import copy_blocks
+from kernels.copy_blocks import copy_blocks
 
 FP8 = torch.float8_e4m3fn
 

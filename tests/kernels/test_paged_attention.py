@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import paged_attention
+from kernels.paged_attention import paged_attention
 from kernels.paged_attention import choose_num_segments
 
 FP8 = torch.float8_e4m3fn

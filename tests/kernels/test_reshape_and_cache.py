@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reshape_and_cache
+from kernels.reshape_and_cache import reshape_and_cache
 
 FP8 = torch.float8_e4m3fn
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused_add_rms_norm, rms_norm
+from kernels.rms_norm import fused_add_rms_norm, rms_norm
 
 # bf16 allows 2 ulps: the interpreter (CPU) truncates fp32 -> bf16 where the GPU rounds to nearest.
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
