@@ -131,6 +131,10 @@ class ModelRunner:
             self.model.pack_for_cpu()
         self.config = self.model.config
         self.attention: AttentionBackend = get_backend(attention_backend, self._device, kv_cache_dtype)
+        if self.attention.name == "triton":
+            from executor_svc.fused_ops import triton_model_ops
+
+            self.model.ops = triton_model_ops()
         cache_dtype = getattr(self.attention, "cache_dtype", None)
         self.kv_cache_dtype = cache_dtype(self.dtype) if cache_dtype else self.dtype
         self._fingerprint = fingerprint(self.model_dir)

@@ -17,5 +17,6 @@ def test_triton_backend_greedy_equals_transformers(tmp_path, default_model_dir):
         for prompt in prompts:
             result = collect(svc.stub.Generate(greedy_request(prompt_ids=prompt, max_tokens=6, ignore_eos=True), timeout=600))
             assert result["outputs"][0]["token_ids"] == hf_greedy(reference, prompt, 6, ignore_eos=True)
+        assert "attention triton" in svc.logs()
         info = svc.wait_all_blocks_free()
         assert all(e.num_free_blocks == e.num_total_blocks for e in info.executors)
