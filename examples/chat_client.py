@@ -1,8 +1,11 @@
 """Stream a chat answer from a running Pagoda (`make run`): python examples/chat_client.py "Hi!" """
 
 import sys
+from pathlib import Path
 
 import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for pagoda.v1
 
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc

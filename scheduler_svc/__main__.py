@@ -30,6 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--max-waiting-requests", type=int, default=1024, help="queue bound (RESOURCE_EXHAUSTED past it)")
     add_flag(p, "--executor-timeout", type=float, default=2.0, help="seconds without heartbeat before an executor is dead")
     add_flag(p, "--no-executor-wait", type=float, default=30.0, help="seconds a request waits for an executor, then UNAVAILABLE")
+    add_flag(p, "--shutdown-grace", type=float, default=30.0, help="seconds streams may run on after SIGTERM")
     add_flag(p, "--metrics-port", type=int, default=9400, help="Prometheus /metrics port on --host (0 = off)")
     add_flag(p, "--log-level", default="INFO")
     return p.parse_args(argv)
@@ -66,8 +67,9 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("stopping")
-    await server.stop(grace=5)
+    log.info("stopping: no new requests; streams in flight get %g s to finish", args.shutdown_grace)
+    engine.on_health_change(False)
+    await server.stop(grace=args.shutdown_grace)
     await engine.stop()
 
 
