@@ -25,7 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--kv-cache-memory-gb", type=float, default=1.0, help="CPU only: KV cache size when --num-kv-blocks is not set")
     add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     add_flag(p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    add_flag(p, "--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_flag(p, "--num-threads", type=int, default=None, help="torch CPU threads (default on CPU: cores - 1, leaving one to the scheduler)")
     add_flag(p, "--executor-id", default="", help="default: host-pid-random")
     add_flag(p, "--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -52,6 +52,10 @@ def main(argv=None) -> int:
         device = args.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        num_threads = args.num_threads
+        if num_threads is None and device == "cpu":
+            # OpenMP threads that share their cores with the scheduler stall each other.
+            num_threads = max(1, len(os.sched_getaffinity(0)) - 1)
         kv_bytes = None
         if args.num_kv_blocks is None and device == "cpu":
             kv_bytes = int(args.kv_cache_memory_gb * 2**30)
@@ -64,7 +68,7 @@ def main(argv=None) -> int:
             kv_memory_bytes=kv_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
             attention_backend=args.attention_backend,
-            num_threads=args.num_threads,
+            num_threads=num_threads,
             kv_cache_dtype=args.kv_cache_dtype,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
