@@ -127,9 +127,12 @@ def test_copy_blocks():
     get_backend("torch", "cpu").copy_blocks(caches, torch.empty(0, 2, dtype=torch.int64))
 
 
-def test_get_backend():
+def test_get_backend(monkeypatch):
     assert get_backend("auto", "cpu").name == "torch"
     with pytest.raises(ValueError, match="nope"):
         get_backend("nope", "cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="CUDA"):
         get_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="triton"):
+        get_backend("torch", "cpu", kv_cache_dtype="fp8")
