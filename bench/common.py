@@ -253,6 +253,7 @@ def machine_info() -> dict:
         "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "python": platform.python_version(),
         "load_avg_1m": os.getloadavg()[0],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
     }
     try:
         import torch
@@ -301,7 +302,8 @@ def machine_line(info: dict) -> str:
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
     return (
         f"{info['cpu']}, {info['cores_usable']} of {info['cores']} cores usable{gpu}; torch {info.get('torch', '?')} "
-        f"({info.get('torch_threads', '?')} thread(s) in this process); python {info['python']}; "
+        f"({info.get('torch_threads', '?')} thread(s) in this process), OMP_WAIT_POLICY {info['omp_wait_policy']}; "
+        f"python {info['python']}; "
         f"load average {info['load_avg_1m']:.2f} at start (others' load skews results)"
     )
 

@@ -9,6 +9,11 @@ the result, update, emit tokens) and a monitor task declares executors dead when
 heartbeats stop. A dead executor's requests are drained from its core with their tokens
 so far and placed on a survivor (recompute), so their streams continue unbroken; with no
 executor left they wait up to `no_executor_wait_s`, then end with UNAVAILABLE.
+
+A beam search (`beam_width` > 1) is a `BeamSearch` whose live beams are the core
+requests: each step's beam tokens go to it, and each finished generation is applied
+to the core as finishes and forks; its n best sequences are emitted when it ends. If
+its executor dies, its live beams restart together on another (`BeamSearch.restart`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pagoda import __version__, wire
 from pagoda.step import StepResult
 from pagoda.v1 import executor_pb2 as xpb
 from pagoda.v1 import generation_pb2 as pb
+from scheduler_svc.beam_search import BeamSearch, BeamSearchParams, apply_beam_step
 from scheduler_svc.core.request import FinishReason, Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
@@ -36,6 +42,11 @@ from scheduler_svc.validation import GenerateParams
 log = logging.getLogger(__name__)
 
 _U64 = 2**64
+
+
+def _prefix_routing_slack(least_load: int) -> int:
+    """How many more requests than the least loaded executor one may hold and still win on a prefix hit."""
+    return max(1, least_load // 4)
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,7 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._placements: dict[str, _Placement] = {}  # core req id -> where it belongs
         self._location: dict[str, ExecutorHandle] = {}  # core req id -> executor holding it
+        self._beam_states: dict[str, RequestState] = {}  # core req id of a live beam -> its request
         self._orphans: list[tuple[float, Request]] = []  # (deadline, request) waiting for an executor
         self.metrics = Metrics()
         self.metrics.attach(self)
@@ -130,6 +142,9 @@ class Engine:
         max_tokens = self._max_tokens(params)
         state = RequestState.create(params, self.tokenizer)
         self.requests[params.request_id] = state
+        if params.beam_width > 1:
+            self._submit_beam_search(state, max_tokens)
+            return state
         for i, sample in enumerate(state.samples):
             request = Request(
                 req_id=sample.core_req_id,
@@ -149,6 +164,7 @@ class Engine:
         state = self.requests.get(request_id)
         if state is None:
             return
+        self._drop_beams(state)
         for sample in state.samples:
             if not sample.finished:
                 self._drop_core_request(sample.core_req_id, FinishReason.ABORTED)
@@ -214,15 +230,22 @@ class Engine:
         handle.wakeup.set()
 
     def _route(self, request: Request) -> ExecutorHandle | None:
-        """The executor caching most of the prompt, else the least loaded one; None if none can hold it."""
+        """The executor caching most of the prompt, else the least loaded one; None if none can hold it.
+
+        A prefix hit counts only on executors about as loaded as the least loaded one
+        (`_prefix_routing_slack`): a prefix that every prompt shares, like a chat template's
+        system prompt, would otherwise send all work to the first executor that cached it.
+        """
         fits = [h for h in self.executors.values() if h.alive and h.scheduler.can_fit(request.num_tokens + 1)]
         if not fits:
             return None
-        hits = {h.executor_id: h.scheduler.kv_cache_manager.num_prefix_cached_tokens(request.all_token_ids) for h in fits}
+        least = min(h.load()[0] for h in fits)
+        near = [h for h in fits if h.load()[0] <= least + _prefix_routing_slack(least)]
+        hits = {h.executor_id: h.scheduler.kv_cache_manager.num_prefix_cached_tokens(request.all_token_ids) for h in near}
         best_hit = max(hits.values())
         if best_hit > 0:
             self.metrics.routing.labels("prefix_hit").inc()
-            candidates = [h for h in fits if hits[h.executor_id] == best_hit]
+            candidates = [h for h in near if hits[h.executor_id] == best_hit]
         else:
             self.metrics.routing.labels("least_loaded").inc()
             candidates = fits
@@ -252,6 +275,8 @@ class Engine:
     # ---- step loop --------------------------------------------------------------------
     async def _step_loop(self, handle: ExecutorHandle) -> None:
         loop = asyncio.get_running_loop()
+        # Registered goes out before the first plan: until it has it, an executor drops plans.
+        await self.link.send(handle.executor_id, xpb.SchedulerMessage(registered=xpb.Registered(scheduler_id="pagoda")))
         while handle.alive:
             plan = handle.scheduler.schedule()
             if not plan.num_scheduled_tokens and not plan.finished_req_ids and not plan.block_copies:
@@ -290,6 +315,9 @@ class Engine:
 
     def _apply(self, handle: ExecutorHandle, updates) -> None:
         for update in updates:
+            if update.req_id in self._beam_states:
+                self._apply_beam(handle, update)
+                continue
             placement = self._placements.get(update.req_id)
             if placement is None:
                 continue
@@ -322,6 +350,93 @@ class Engine:
             metrics.itl.observe(now - sample.last_token_time)
         sample.last_token_time = now
         metrics.generation_tokens.inc()
+
+    # ---- beam search --------------------------------------------------------------------
+    def _submit_beam_search(self, state: RequestState, max_tokens: int) -> None:
+        params, sampling = state.params, state.params.sampling
+        search = BeamSearch(
+            request_id=params.request_id,
+            prompt_token_ids=list(params.prompt_token_ids),
+            params=BeamSearchParams(
+                beam_width=params.beam_width,
+                max_tokens=max_tokens,
+                n=params.n,
+                stop_token_ids=frozenset(sampling.stop_token_ids),
+                eos_token_ids=params.eos_token_ids,
+                min_tokens=sampling.min_tokens,
+                logprobs=sampling.logprobs,
+                top_logprobs=sampling.top_logprobs,
+            ),
+            priority=params.priority,
+            arrival_time=time.monotonic(),
+        )
+        state.beam_search = search
+        self._place_beams(state, [search.root()])
+
+    def _place_beams(self, state: RequestState, requests: list[Request]) -> None:
+        for request in requests:
+            self._beam_states[request.req_id] = state
+        self._place_group(requests)
+
+    def _apply_beam(self, handle: ExecutorHandle, update) -> None:
+        """A beam's candidates; once its generation is complete, finish and fork beams in the core."""
+        state = self._beam_states[update.req_id]
+        search = state.beam_search
+        if update.sampled is None or search is None:
+            return
+        if search.generation == 0:
+            root = handle.scheduler.get_request(update.req_id)
+            state.num_cached_tokens = root.num_cached_tokens if root is not None else 0
+        beam_step = search.on_sampled(update.sampled)
+        if beam_step is None:
+            return
+        for req_id in [*beam_step.finished_req_ids, *(parent_id for parent_id, _ in beam_step.forks)]:
+            self._beam_states.pop(req_id, None)
+            self._location.pop(req_id, None)
+        apply_beam_step(handle.scheduler, beam_step)
+        for _, children in beam_step.forks:
+            for child in children:
+                self._beam_states[child.req_id] = state
+                self._location[child.req_id] = handle
+        handle.wakeup.set()
+        if beam_step.done:
+            self._emit_beam_results(state)
+
+    def _emit_beam_results(self, state: RequestState) -> None:
+        assert state.beam_search is not None
+        self.metrics.ttft.observe(time.monotonic() - state.arrival)
+        self.metrics.prefix_queries.inc(len(state.params.prompt_token_ids))
+        self.metrics.prefix_hits.inc(state.num_cached_tokens)
+        for sample, hypothesis in zip(state.samples, state.beam_search.best()):
+            tokens = list(hypothesis.output_token_ids)
+            state.emit_sequence(sample, tokens, list(hypothesis.logprobs), int(hypothesis.finish_reason))
+            self.metrics.generation_tokens.inc(len(tokens))
+        self._close(state)
+
+    def _restart_beams(self, state: RequestState) -> None:
+        """The live beams of `state` lost their executor: start them afresh, together, elsewhere."""
+        assert state.beam_search is not None
+        for req_id in state.beam_search.live_req_ids:
+            self._beam_states.pop(req_id, None)
+            self._location.pop(req_id, None)
+        self._place_beams(state, state.beam_search.restart())
+
+    def _drop_beams(self, state: RequestState) -> None:
+        """Finish every live beam of a beam search (abort, failure); no-op for other requests."""
+        if state.beam_search is None:
+            return
+        for req_id in state.beam_search.live_req_ids:
+            if self._beam_states.pop(req_id, None) is not None:
+                self._drop_core_request(req_id, FinishReason.ABORTED)
+
+    def _orphan_groups(self, orphans: list[tuple[float, Request]]) -> list[list[Request]]:
+        """The orphans one by one, except that the beams of one beam search stay together."""
+        groups: dict[object, list[Request]] = {}
+        for _, request in orphans:
+            state = self._beam_states.get(request.req_id)
+            key = (state.request_id,) if state is not None else request.req_id
+            groups.setdefault(key, []).append(request)
+        return list(groups.values())
 
     # ---- executors --------------------------------------------------------------------
     def on_hello(self, msg: xpb.Hello) -> None:
@@ -363,13 +478,10 @@ class Engine:
         self.executors[msg.executor_id] = handle
         handle.task = asyncio.create_task(self._step_loop(handle))
         handle.task.add_done_callback(lambda task: self._step_loop_ended(handle, task))
-        asyncio.ensure_future(
-            self.link.send(msg.executor_id, xpb.SchedulerMessage(registered=xpb.Registered(scheduler_id="pagoda")))
-        )
         log.info("executor %s registered: %s, %d KV blocks", msg.executor_id, msg.device, msg.num_kv_blocks)
         orphans, self._orphans = self._orphans, []
-        for _, request in orphans:
-            self._place_group([request])
+        for group in self._orphan_groups(orphans):
+            self._place_group(group)
         if not was_serving:
             self.on_health_change(True)
 
@@ -410,9 +522,15 @@ class Engine:
         """Retire `handle` and move its unfinished requests, tokens so far kept, elsewhere."""
         log.warning("executor %s is gone (%s); moving its requests", handle.executor_id, why)
         requests = self._retire(handle)
+        beam_searches: dict[str, RequestState] = {}
         for request in requests:
             if request.req_id in self._placements:
                 self._place_group([request])
+            elif request.req_id in self._beam_states:
+                state = self._beam_states[request.req_id]
+                beam_searches[state.request_id] = state
+        for state in beam_searches.values():
+            self._restart_beams(state)
         if not self.serving:
             self.on_health_change(False)
 
@@ -442,16 +560,18 @@ class Engine:
                 self._orphans = [(d, r) for d, r in self._orphans if d > now]
                 for request in expired:
                     placement = self._placements.get(request.req_id)
-                    if placement is not None and not placement.state.done:
+                    state = placement.state if placement is not None else self._beam_states.get(request.req_id)
+                    if state is not None and not state.done:
                         self._fail(
-                            placement.state,
+                            state,
                             Unavailable(
-                                f"no executor could serve request {placement.state.request_id} "
+                                f"no executor could serve request {state.request_id} "
                                 f"within {self.config.no_executor_wait_s:g} s"
                             ),
                         )
 
     def _fail(self, state: RequestState, error: Exception) -> None:
+        self._drop_beams(state)
         for sample in state.samples:
             if not sample.finished:
                 self._drop_core_request(sample.core_req_id, FinishReason.ABORTED)

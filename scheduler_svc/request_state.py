@@ -2,7 +2,9 @@
 
 The step loop pushes each sampled token through `on_token` (detokenize, match stop
 strings, collect logprobs); the gRPC handler drains the queue with `responses()`, merging
-whatever piled up into one GenerateResponse.
+whatever piled up into one GenerateResponse. A beam search (`beam_search` set) streams
+nothing until it ends, then its n best sequences whole (`emit_sequence`), so they
+arrive in one final message.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagoda.step import SampledToken
 from pagoda.v1 import generation_pb2 as pb
+from scheduler_svc.beam_search import BeamSearch
 from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.validation import GenerateParams
@@ -46,6 +49,7 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_info_sent: bool = False
     done: bool = False
+    beam_search: BeamSearch | None = None  # set for beam_width > 1; its beams are the core requests
 
     @classmethod
     def create(cls, params: GenerateParams, tokenizer: PreTrainedTokenizerBase) -> RequestState:
@@ -98,6 +102,14 @@ class RequestState:
             sample.finish_reason = finish_reason
         self.queue.put_nowait(out)
         return matched
+
+    def emit_sequence(
+        self, sample: SampleStream, token_ids: list[int], logprobs: list[SampledToken], finish_reason: int
+    ) -> None:
+        """Emit a whole sequence of `sample` at once (`logprobs`: one per token, or empty)."""
+        for i, token_id in enumerate(token_ids):
+            sampled = logprobs[i] if logprobs else SampledToken(sample.core_req_id, token_id)
+            self.on_token(sample, sampled, finish_reason if i == len(token_ids) - 1 else None)
 
     def finish_sample(self, sample: SampleStream, reason: int) -> None:
         """End `sample` without a token (abort)."""

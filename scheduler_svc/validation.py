@@ -2,6 +2,11 @@
 
 Every problem raises InvalidArgument naming the field, e.g.
 `sampling.top_p: must be in (0, 1], got 1.5`.
+
+Beam search (`sampling.beam_width` 2..16, `n <= beam_width`) is deterministic: it
+scores raw log-probabilities, so `temperature`, `top_p`, `top_k`, `min_p` and `seed`
+are ignored; penalties, `logit_bias` and stop strings, which would change what it
+computes, are refused.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class GenerateParams:
     skip_special_tokens: bool
     priority: int
     eos_token_ids: frozenset[int]
+    beam_width: int = 1  # > 1: beam search, the n best of beam_width beams
 
 
 def validate_generate(
@@ -65,9 +71,11 @@ def validate_generate(
     n = sampling_msg.n if sampling_msg.HasField("n") else 1
     if not 1 <= n <= MAX_N:
         raise InvalidArgument("sampling.n", f"must be in [1, {MAX_N}], got {n}")
-    beam_width = sampling_msg.beam_width if sampling_msg.HasField("beam_width") else 1
+    beam_width = max(sampling_msg.beam_width if sampling_msg.HasField("beam_width") else 1, 1)
+    if beam_width > MAX_BEAM_WIDTH:
+        raise InvalidArgument("sampling.beam_width", f"must be in [1, {MAX_BEAM_WIDTH}], got {beam_width}")
     if beam_width > 1:
-        raise InvalidArgument("sampling.beam_width", "beam search is not supported yet")
+        _check_beam_search(req, n, beam_width)
     for token_id, bias in sampling_msg.logit_bias.items():
         if token_id >= spec.vocab_size:
             raise InvalidArgument("sampling.logit_bias", f"token id {token_id} is outside the vocabulary ({spec.vocab_size})")
@@ -128,7 +136,22 @@ def validate_generate(
         skip_special_tokens=response.skip_special_tokens if response.HasField("skip_special_tokens") else True,
         priority=priority,
         eos_token_ids=eos,
+        beam_width=beam_width,
     )
+
+
+def _check_beam_search(req: pb.GenerateRequest, n: int, beam_width: int) -> None:
+    if n > beam_width:
+        raise InvalidArgument("sampling.n", f"must be <= beam_width ({beam_width}) with beam search, got {n}")
+    sampling = req.sampling
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    for name, value in neutral.items():
+        if sampling.HasField(name) and getattr(sampling, name) != value:
+            raise InvalidArgument(f"sampling.{name}", "is not supported with beam search (beam_width > 1)")
+    if any(bias != 0 for bias in sampling.logit_bias.values()):
+        raise InvalidArgument("sampling.logit_bias", "is not supported with beam search (beam_width > 1)")
+    if req.stopping.stop:
+        raise InvalidArgument("stopping.stop", "stop strings are not supported with beam search (beam_width > 1)")
 
 
 def _float(msg, field: str, default: float) -> float:

@@ -146,6 +146,48 @@ class KVCacheManager:
             return []
         return [BlockCopy(src=parent_table[num_shared].block_id, dst=new_blocks[0].block_id)]
 
+    def fork_beams(self, parent: Request, children: Sequence[Request]) -> list[BlockCopy] | None:
+        """Give `children` the parent's computed tokens, then free the parent's table.
+
+        ::
+
+            block_size = 4, parent computed 10 tokens (positions 0..9), three children
+            parent   [b1: 0-3][b2: 4-7][b3: 8 9 . .]
+            child 0  [b1     ][b2     ][b3          ]    b3 handed over: the parent goes
+            child 1  [b1     ][b2     ][b7 = copy b3]
+            child 2  [b1     ][b2     ][b8 = copy b3]    b1, b2: ref_cnt 3
+
+        Full blocks are shared by reference; the partial block, which the children
+        write next, is never shared (no copy when the computed tokens end on a block
+        boundary). The parent must never run again. None, with nothing changed, if
+        fewer than the `len(children) - 1` blocks to copy into are free.
+        """
+        table = self._block_tables[parent.req_id]
+        num_full, num_partial = divmod(parent.num_computed_tokens, self.block_size)
+        if len(table) != cdiv(parent.num_computed_tokens, self.block_size):
+            raise ValueError(f"request {parent.req_id!r} holds blocks for tokens it has not computed")
+        for child in children:
+            if child.req_id in self._block_tables:
+                raise ValueError(f"request {child.req_id!r} already holds blocks")
+        num_copies = len(children) - 1 if num_partial and children else 0
+        if num_copies > self.block_pool.num_free_blocks:
+            return None
+        shared, copies = table[:num_full], []
+        num_hashed = min(self._num_hashed_blocks.get(parent.req_id, 0), num_full)
+        for index, child in enumerate(children):
+            self.block_pool.touch(shared)
+            own: list[KVCacheBlock] = []
+            if num_partial and index == 0:
+                own = [table[num_full]]
+                self.block_pool.touch(own)
+            elif num_partial:
+                own = self.block_pool.get_new_blocks(1)
+                copies.append(BlockCopy(src=table[num_full].block_id, dst=own[0].block_id))
+            self._block_tables[child.req_id] = shared + own
+            self._num_hashed_blocks[child.req_id] = num_hashed
+        self.free(parent)
+        return copies
+
     def cache_full_blocks(self, request: Request) -> None:
         """Index the blocks that `request.num_computed_tokens` has filled since the last call."""
         if not self.enable_prefix_caching:

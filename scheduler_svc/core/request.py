@@ -51,6 +51,11 @@ class Request:
     `num_cached_tokens` is the prefix-cache hit measured the first time the request
     was scheduled (kept across preemption and across executors); for an `n > 1`
     sibling that forked from its leader it is the leader's figure.
+
+    A beam of beam search (`is_beam`) lives for one token: the scheduler appends the
+    executor's sampled token but applies no stop rule, then holds the beam (never
+    scheduled again) until its controller forks it (`Scheduler.fork_beams`) or
+    finishes it.
     """
 
     req_id: str
@@ -67,6 +72,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     was_scheduled: bool = False
+    is_beam: bool = False
     _all_token_ids: list[int] = field(init=False, repr=False)
     _stop_token_ids: frozenset[int] = field(init=False, repr=False)
 

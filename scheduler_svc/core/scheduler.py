@@ -15,6 +15,13 @@ are one rule::
        min(num_tokens - hit, budget) tokens, while blocks and max_num_seqs allow;
        the first one that does not fit stops admission (no overtaking); an n > 1
        follower forks from its leader once the leader's prompt is computed
+    3. nothing scheduled, yet a request waits while beams are held: preempt the
+       latest held beam (one per step), so held beams never block admission
+
+Beams of beam search (`Request.is_beam`) are held after their token, neither
+scheduled nor admitted, until `fork_beams` replaces them by their children (or they
+are finished). Forked children start RUNNING on the parent's blocks; each is sent to
+the executor as a new request in the next plan, with the block copies.
 
 Request states::
 
@@ -32,7 +39,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Sequence
 
-from pagoda.step import CachedRequestData, NewRequestData, SampledToken, StepPlan, StepResult
+from pagoda.step import BlockCopy, CachedRequestData, NewRequestData, SampledToken, StepPlan, StepResult
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
@@ -45,7 +52,7 @@ _RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
-    """Admission, token budget, preemption and n-sample forks for one executor.
+    """Admission, token budget, preemption, n-sample and beam forks for one executor.
 
     Not thread-safe: one thread (the service's loop) makes every call. Between steps,
     `check_integrity()` holds; `num_preemptions` counts preemptions since construction.
@@ -62,6 +69,9 @@ class Scheduler:
         self._running: list[Request] = []  # sorted by _key
         self._siblings = SiblingGroups()
         self._finished_req_ids: list[str] = []
+        self._held: set[str] = set()  # beams that sampled their token, awaiting fork_beams
+        self._unsent: set[str] = set()  # running forked beams the executor does not hold yet
+        self._block_copies: list[BlockCopy] = []  # for the next plan
         self._next_seq = 0
         self._next_step_id = 0
         self._in_flight: StepPlan | None = None
@@ -121,8 +131,48 @@ class Scheduler:
         self._running.clear()
         self._siblings.clear()
         self._finished_req_ids.clear()
+        self._held.clear()
+        self._unsent.clear()
+        self._block_copies.clear()
         self._in_flight = None
         return requests
+
+    def fork_beams(self, parent_id: str, children: Sequence[Request]) -> None:
+        """Replace the held beam `parent_id` by `children`, then finish it.
+
+        Each child is the parent's sequence with its last token (the executor's own
+        pick) replaced by the one beam search chose. Children of a RUNNING parent run
+        on at once from its KV (`KVCacheManager.fork_beams`: full blocks shared, the
+        partial block copied); those beyond `max_num_seqs` or the free blocks, and every
+        child of a preempted parent, wait to be admitted like any request.
+        """
+        parent = self._requests.get(parent_id)
+        if parent is None or parent_id not in self._held:
+            raise ValueError(f"request {parent_id!r} is not a held beam")
+        self._validate_children(parent, children)
+        num_sharing = 0
+        if parent.status is _RUNNING:
+            num_sharing = min(len(children), self.config.max_num_seqs - len(self._running) + 1)
+            while num_sharing > 0:
+                block_copies = self.kv_cache_manager.fork_beams(parent, children[:num_sharing])
+                if block_copies is not None:
+                    self._block_copies.extend(block_copies)
+                    break
+                num_sharing -= 1
+        for index, child in enumerate(children):
+            self._requests[child.req_id] = child
+            self._order[child.req_id] = (child.priority, child.arrival_time, self._next_seq)
+            self._next_seq += 1
+            if index < num_sharing:
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.num_cached_tokens, child.was_scheduled = parent.num_cached_tokens, True
+                child.status = _RUNNING
+                bisect.insort(self._running, child, key=self._key)
+                self._unsent.add(child.req_id)
+            else:
+                child.status = RequestStatus.WAITING
+                bisect.insort(self._waiting, child, key=self._key)
+        self._finish(parent, FinishReason.LENGTH)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -166,10 +216,14 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step_id, finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         self._next_step_id += 1
+        plan.block_copies, self._block_copies = self._block_copies, []
         num_preemptions = self.num_preemptions
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if self.num_preemptions == num_preemptions:
             self._schedule_waiting(plan, budget)
+        if not plan.num_scheduled_tokens:
+            self._release_held(plan)
+        self._send_forked(plan)
         if plan.num_scheduled_tokens:
             self._in_flight = plan
         return plan
@@ -208,6 +262,8 @@ class Scheduler:
         for request in self._running:
             if request.status is not _RUNNING or not 0 <= request.num_computed_tokens < request.num_tokens:
                 raise AssertionError(f"running request {request.req_id!r} has a bad state")
+        if not self._held <= set(self._requests) or not self._unsent <= {r.req_id for r in self._running}:
+            raise AssertionError("a held beam is unknown, or an unsent beam is not running")
 
     # ---- scheduling -----------------------------------------------------------------------
 
@@ -215,13 +271,14 @@ class Scheduler:
         for request in list(self._running):
             if budget == 0:
                 break
-            if request.status is not _RUNNING:  # preempted by an earlier request of this loop
+            if request.status is not _RUNNING or request.req_id in self._held:  # preempted in this loop, or held
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
             if new_block_ids is None:
                 continue
-            plan.cached_requests.append(CachedRequestData(request.req_id, new_block_ids))
+            if request.req_id not in self._unsent:  # a forked beam is sent in full by _send_forked
+                plan.cached_requests.append(CachedRequestData(request.req_id, new_block_ids))
             plan.num_scheduled_tokens[request.req_id] = num_new
             budget -= num_new
         return budget
@@ -243,6 +300,8 @@ class Scheduler:
         for request in list(self._waiting):
             if budget == 0 or len(self._running) >= self.config.max_num_seqs:
                 return
+            if request.req_id in self._held:
+                continue
             leader_id = self._siblings.leader_of(request.req_id)
             if leader_id is None:
                 num_scheduled = self._admit(request, plan, budget)
@@ -285,20 +344,42 @@ class Scheduler:
         self._waiting.remove(request)
         request.status = _RUNNING
         bisect.insort(self._running, request, key=self._key)
-        plan.new_requests.append(
-            NewRequestData(
-                req_id=request.req_id,
-                token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling=request.sampling,
-                block_ids=self.kv_cache_manager.block_ids(request.req_id),
-                num_computed_tokens=request.num_computed_tokens,
-            )
-        )
+        plan.new_requests.append(self._new_request_data(request))
         plan.num_scheduled_tokens[request.req_id] = num_scheduled
 
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.req_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling=request.sampling,
+            block_ids=self.kv_cache_manager.block_ids(request.req_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _send_forked(self, plan: StepPlan) -> None:
+        """Announce the beams forked since the last plan, scheduled in this one or not.
+
+        The plan always reaches the executor: it also drops their parents.
+        """
+        for request in self._running:
+            if request.req_id in self._unsent:
+                plan.new_requests.append(self._new_request_data(request))
+        self._unsent.clear()
+
+    def _release_held(self, plan: StepPlan) -> None:
+        """Nothing could run: preempt the latest held beam if that may let a waiting request in."""
+        if not any(request.req_id not in self._held for request in self._waiting):
+            return
+        held = [request for request in self._running if request.req_id in self._held]
+        if held:
+            self._preempt(held[-1], plan)
+
     def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Back to the waiting queue with nothing held; the executor drops it this step."""
+        """Back to the waiting queue with nothing held; the executor drops it this step.
+
+        A held beam stays held: its token is out, it only waits for `fork_beams`.
+        """
         self.kv_cache_manager.free(request)
         self._running.remove(request)
         self._siblings.discard(request.req_id)
@@ -307,12 +388,18 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self._waiting, request, key=self._key)
-        plan.finished_req_ids.append(request.req_id)
+        if request.req_id in self._unsent:
+            self._unsent.discard(request.req_id)
+        else:
+            plan.finished_req_ids.append(request.req_id)
 
     # ---- results and finishing ------------------------------------------------------------
 
     def _append_sampled(self, request: Request, sampled: SampledToken) -> RequestUpdate:
         request.append_output_token(sampled.token_id)
+        if request.is_beam:
+            self._held.add(request.req_id)
+            return RequestUpdate(request.req_id, sampled, None)
         reason = self._stop_reason(request)
         if reason is not None:
             self._finish(request, reason)
@@ -330,9 +417,13 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is _RUNNING:
             self._running.remove(request)
-            self._finished_req_ids.append(request.req_id)
+            if request.req_id in self._unsent:
+                self._unsent.discard(request.req_id)
+            else:
+                self._finished_req_ids.append(request.req_id)
         else:
             self._waiting.remove(request)
+        self._held.discard(request.req_id)
         self.kv_cache_manager.remove(request)
         self._siblings.discard(request.req_id)
         request.status = RequestStatus.FINISHED
@@ -361,6 +452,24 @@ class Scheduler:
                     f"(max_seq_len {self.config.max_seq_len}: max_model_len {self.config.max_model_len}, "
                     f"KV cache {self.config.num_usable_blocks} blocks of {self.config.block_size})"
                 )
+
+    def _validate_children(self, parent: Request, children: Sequence[Request]) -> None:
+        req_ids = [child.req_id for child in children]
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError(f"duplicate req_id among the children of {parent.req_id!r}: {req_ids}")
+        for child in children:
+            if child.req_id in self._requests:
+                raise ValueError(f"req_id {child.req_id!r} is already in flight")
+            if not child.is_beam or child.is_finished or child.num_computed_tokens != 0:
+                raise ValueError(f"child {child.req_id!r} must be a new beam")
+            if (
+                child.prompt_token_ids != parent.prompt_token_ids
+                or child.num_tokens != parent.num_tokens
+                or child.all_token_ids[:-1] != parent.all_token_ids[:-1]
+            ):
+                raise ValueError(f"child {child.req_id!r} is not {parent.req_id!r} with its last token replaced")
+            if not self.can_fit(child.num_tokens + 1):
+                raise ValueError(f"child {child.req_id!r}: {child.num_tokens} tokens leave no room to generate")
 
     def _check_result(self, plan: StepPlan, result: StepResult) -> None:
         """Raise ValueError, changing nothing, unless `result` answers the plan in flight."""

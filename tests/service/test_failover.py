@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2
 from pagoda.v1 import generation_pb2 as pb
 from tests.service.harness import SERVICE, Service, collect, greedy_request, hf_greedy
 
-CHATS = [
-    "What is the capital of France?",
+CHATS = [  # greedy answers of natural text; the first ones run past 32 tokens
+    "Tell me about the history of Rome.",
     "Write a haiku about the sea.",
     "Give me three tips for learning Python.",
     "Explain photosynthesis in one sentence.",
@@ -65,9 +65,11 @@ def reference(hf_reference):
 class Stream:
     """One Generate call read by a thread: tokens as they arrive, then the whole result or the error."""
 
-    def __init__(self, stub, content: str, max_tokens: int = MAX_TOKENS, timeout: float = 300):
+    def __init__(self, stub, content: str, max_tokens: int = MAX_TOKENS, timeout: float = 300, request=None):
         self.content = content
-        self.call = stub.Generate(greedy_request(chat=[("user", content)], max_tokens=max_tokens), timeout=timeout)
+        if request is None:
+            request = greedy_request(chat=[("user", content)], max_tokens=max_tokens)
+        self.call = stub.Generate(request, timeout=timeout)
         self.messages: list[pb.GenerateResponse] = []
         self.num_tokens = 0
         self.error: grpc.RpcError | None = None
@@ -167,18 +169,33 @@ def assert_idle(svc: Service, num_executors: int) -> None:
     assert all(e.num_free_blocks == e.num_total_blocks for e in info.executors), info
 
 
+def seeded_request(content: str, seed: int) -> pb.GenerateRequest:
+    req = greedy_request(chat=[("user", content)], max_tokens=MAX_TOKENS)
+    req.sampling.temperature = 0.8
+    req.sampling.seed = seed
+    return req
+
+
 def test_sigkill_of_one_executor_mid_stream_loses_and_repeats_nothing(reference, hf_reference):
     _, tokenizer = hf_reference
     with Service(num_executors=2, scheduler_args=FAST_DETECTION, executor_args=EXECUTOR_ARGS) as svc:
+        # Seeded sampling draws from (seed, position): a resumed stream is the same as an unbroken one.
+        seeded = {seed: seeded_request(CHATS[seed], seed) for seed in (6, 7)}
+        unbroken = {seed: collect(svc.stub.Generate(req, timeout=120))["outputs"][0] for seed, req in seeded.items()}
         streams = start_streams(svc, CHATS)
+        sampled = {seed: Stream(svc.stub, CHATS[seed], request=req) for seed, req in seeded.items()}
+        for stream in sampled.values():
+            stream.wait_tokens(3)
         victim, survivor = svc.executors
         victim_info = info_of(svc, victim)
-        assert victim_info is not None and victim_info.num_running > 0, svc.server_info()
-        assert not any(s.done for s in streams)
+        assert victim_info is not None and victim_info.num_running > 0, svc.server_info()  # mid-stream
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=10)
         for stream in streams:
             assert_is_reference(stream, reference, tokenizer)
+        for seed, stream in sampled.items():
+            out = stream.result()["outputs"][0]
+            assert (out["token_ids"], out["text"]) == (unbroken[seed]["token_ids"], unbroken[seed]["text"])
         assert "moving its requests" in (svc.logdir / "scheduler.log").read_text()
         assert_idle(svc, 1)
         assert info_of(svc, survivor) is not None and info_of(svc, victim) is None
@@ -348,7 +365,8 @@ def test_sigterm_to_the_scheduler_lets_streams_in_flight_finish(reference, hf_re
     with Service(num_executors=1, executor_args=EXECUTOR_ARGS) as svc:
         streams = start_streams(svc, CHATS[:4], max_tokens=32)
         svc.scheduler.send_signal(signal.SIGTERM)
-        stopping_at = time.monotonic()
+        log = svc.logdir / "scheduler.log"
+        wait_until(lambda: "INFO scheduler_svc: stopping" in log.read_text(), 10, "the scheduler stops")
         # New work is refused during the grace period.
         with pytest.raises(grpc.RpcError) as err:
             list(svc.stub.Generate(greedy_request(chat=[("user", CHATS[5])], max_tokens=8), timeout=10))
@@ -356,7 +374,6 @@ def test_sigterm_to_the_scheduler_lets_streams_in_flight_finish(reference, hf_re
         # The streams in flight end normally, whole.
         for stream in streams:
             assert_is_reference(stream, reference, tokenizer, max_tokens=32)
-            assert stream.ended_at - stopping_at < 5
         assert svc.scheduler.wait(timeout=20) == 0
         # The scheduler tells its executors to stop.
         assert svc.executors[0].wait(timeout=20) == 0
