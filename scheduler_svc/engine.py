@@ -549,9 +549,16 @@ class Engine:
         return requests
 
     async def _monitor(self) -> None:
+        tick = 0.2
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(tick)
             now = time.monotonic()
+            if now - last > self.config.executor_timeout_s / 2:
+                # Our own loop stalled: heartbeats may sit unread in the socket. Judge nobody on it.
+                for handle in self.executors.values():
+                    handle.last_seen = max(handle.last_seen, now - tick)
+            last = now
             for handle in list(self.executors.values()):
                 if now - handle.last_seen > self.config.executor_timeout_s:
                     self._kill(handle, f"no heartbeat for {now - handle.last_seen:.1f} s")
