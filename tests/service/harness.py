@@ -189,3 +189,10 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: boo
             do_sample=False,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def chat_ids(tokenizer, content: str | list[dict]) -> list[int]:
+    """Prompt ids of a chat (one user message, or a list of messages) with the model's template."""
+    messages = [{"role": "user", "content": content}] if isinstance(content, str) else content
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

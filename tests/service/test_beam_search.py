@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pagoda.v1 import generation_pb2 as pb
-from tests.service.harness import Service, collect
+from tests.service.harness import chat_ids, collect, Service
 
 CHATS = [
     "What is the capital of France?",
@@ -34,11 +34,6 @@ MAX_TOKENS = 20
 WIDTH = 4
 EOS = 2
 PAD = 2  # transformers pads shorter returned sequences with it
-
-
-def chat_ids(tokenizer, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.fixture(scope="module")

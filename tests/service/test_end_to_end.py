@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from pagoda.v1 import generation_pb2 as pb
-from tests.service.harness import hf_greedy, Service, collect, greedy_request
+from tests.service.harness import chat_ids, collect, greedy_request, hf_greedy, Service
 
 CHATS = [
     "What is the capital of France?",
@@ -30,11 +30,6 @@ MAX_TOKENS = 32
 def service():
     with Service(scheduler_args=["--max-num-batched-tokens", "256"]) as svc:
         yield svc
-
-
-def chat_ids(tokenizer, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_concurrent_chats_equal_transformers_greedy(service, hf_reference):

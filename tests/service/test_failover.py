@@ -18,7 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from pagoda.v1 import generation_pb2 as pb
-from tests.service.harness import SERVICE, Service, collect, greedy_request, hf_greedy
+from tests.service.harness import chat_ids, collect, greedy_request, hf_greedy, SERVICE, Service
 
 CHATS = [  # greedy answers of natural text; the first ones run past 32 tokens
     "Tell me about the history of Rome.",
@@ -39,11 +39,6 @@ EOS = 2
 # One torch thread per executor: several executors share two cores here (more threads thrash).
 EXECUTOR_ARGS = ["--num-threads", "1"]
 FAST_DETECTION = ["--executor-timeout", "1.0"]
-
-
-def chat_ids(tokenizer, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pagoda.v1 import generation_pb2 as pb
-from tests.service.harness import Service, collect, greedy_request, hf_greedy
+from tests.service.harness import chat_ids, collect, greedy_request, hf_greedy, Service
 
 SYSTEM = (
     "You are Pagoda's test assistant. Answer briefly and precisely. Prefer short sentences. "
@@ -17,11 +17,6 @@ SYSTEM = (
     "When asked for code, answer in Python with type hints and no comments. "
     "When asked for a list, give at most three items. Keep a friendly, professional tone."
 )
-
-
-def chat_ids(tokenizer, messages) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_preemption_keeps_every_greedy_output(hf_reference):

@@ -9,18 +9,13 @@ import pytest
 import torch
 
 from pagoda.v1 import generation_pb2 as pb
-from tests.service.harness import Service, collect, greedy_request, hf_greedy
+from tests.service.harness import chat_ids, collect, greedy_request, hf_greedy, Service
 
 
 @pytest.fixture(scope="module")
 def service():
     with Service(scheduler_args=["--max-num-batched-tokens", "256"]) as svc:
         yield svc
-
-
-def chat_ids(tokenizer, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_logprobs_and_top_logprobs_equal_transformers(service, hf_reference):
