@@ -7,9 +7,13 @@ import logging
 import os
 import sys
 
-from pagoda import model_files
-from pagoda.cli import add_flag
-from executor_svc.worker import Worker, WorkerConfig
+# Idle OpenMP threads sleep instead of spinning: on cores shared with the scheduler (or other
+# executors) spinning threads stall each other many times over. Read when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pagoda import model_files  # noqa: E402
+from pagoda.cli import add_flag  # noqa: E402
+from executor_svc.worker import Worker, WorkerConfig  # noqa: E402
 
 log = logging.getLogger("executor_svc")
 
@@ -53,9 +57,6 @@ def main(argv=None) -> int:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         num_threads = args.num_threads
-        if num_threads is None and device == "cpu":
-            # OpenMP threads that share their cores with the scheduler stall each other.
-            num_threads = max(1, len(os.sched_getaffinity(0)) - 1)
         kv_bytes = None
         if args.num_kv_blocks is None and device == "cpu":
             kv_bytes = int(args.kv_cache_memory_gb * 2**30)
