@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -196,3 +197,14 @@ def chat_ids(tokenizer, content: str | list[dict]) -> list[int]:
     messages = [{"role": "user", "content": content}] if isinstance(content, str) else content
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Reference generations on one thread: on shared cores, several threads are several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pagoda.v1 import generation_pb2 as pb
-from tests.service.harness import chat_ids, collect, Service
+from tests.service.harness import chat_ids, collect, Service, one_torch_thread
 
 CHATS = [
     "What is the capital of France?",
@@ -40,9 +40,7 @@ PAD = 2  # transformers pads shorter returned sequences with it
 def reference(hf_reference):
     """content -> (prompt ids, transformers' 2 best beams, each cut at its own end, best first)."""
     model, tokenizer = hf_reference
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # on shared cores, several threads are several times slower
-    try:
+    with one_torch_thread():
         out = {}
         for content in CHATS:
             prompt = chat_ids(tokenizer, content)
@@ -57,8 +55,6 @@ def reference(hf_reference):
                 )
             out[content] = (prompt, [_cut(row[len(prompt) :].tolist()) for row in rows])
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _cut(tokens: list[int]) -> list[int]:

@@ -14,11 +14,10 @@ import time
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2
 
 from pagoda.v1 import generation_pb2 as pb
-from tests.service.harness import chat_ids, collect, greedy_request, hf_greedy, SERVICE, Service
+from tests.service.harness import chat_ids, collect, greedy_request, hf_greedy, SERVICE, Service, one_torch_thread
 
 CHATS = [  # greedy answers of natural text; the first ones run past 32 tokens
     "Tell me about the history of Rome.",
@@ -45,16 +44,12 @@ FAST_DETECTION = ["--executor-timeout", "1.0"]
 def reference(hf_reference):
     """content -> (prompt ids, transformers' greedy ids for MAX_TOKENS), computed before any service runs."""
     model, tokenizer = hf_reference
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # on shared cores, several threads are several times slower
-    try:
+    with one_torch_thread():
         out = {}
         for content in CHATS:
             prompt = chat_ids(tokenizer, content)
             out[content] = (prompt, hf_greedy(model, prompt, MAX_TOKENS))
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 class Stream:
