@@ -40,14 +40,16 @@ ENV DEBIAN_FRONTEND=noninteractive \
     LANG=C.UTF-8 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
-# Python for bases that lack it (nvidia/cuda). The CUDA variant also needs a C compiler and Python
-# headers: Triton compiles its small launcher module with the system compiler at first use.
+# Python for bases that lack it (nvidia/cuda). Both variants need a C compiler: the CPU executor
+# builds its decode-attention kernel (executor_svc/attention/csrc) at first start, and Triton
+# compiles its small launcher module (with the Python headers) at first use.
 RUN set -eu; \
     pkgs=""; \
     if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then \
         pkgs="python3 python3-venv python3-pip ca-certificates"; \
     fi; \
-    if [ "$VARIANT" = cuda ]; then pkgs="$pkgs gcc libc6-dev python3-dev"; fi; \
+    if ! command -v cc >/dev/null 2>&1; then pkgs="$pkgs gcc libc6-dev"; fi; \
+    if [ "$VARIANT" = cuda ]; then pkgs="$pkgs python3-dev"; fi; \
     if [ -n "$pkgs" ]; then \
         apt-get update; \
         apt-get install -y --no-install-recommends $pkgs; \

@@ -1,30 +1,41 @@
 """`torch`: the portable attention backend (default on the CPU), built on scaled_dot_product_attention.
 
-No Python loop over sequences. Once per step (the first layer to see a new
-`AttentionMetadata`) the backend derives a `_StepLayout`, reused by every layer, that
-splits the sequences into at most two groups, each attended in one SDPA call:
+No Python loop over sequences in the common case. Once per step (the first layer to see a
+new `AttentionMetadata`) the backend derives a `_StepLayout`, reused by every layer, that
+splits the sequences into groups, each attended in one call:
 
-  * decodes (query length 1). The g = H / KVH query heads that share a KV head become g
-    query rows, so GQA needs no K/V repeat:
+  * decodes (query length 1) on a CPU with a float32 cache: all of them in one call of the
+    C kernel of `cpu_decode`, which reads K and V in place through the block table (no
+    gathered copy, no padding). Elsewhere, or where the kernel cannot be built, SDPA:
+
+  * decodes (query length 1), sorted by length and cut into length buckets (see
+    `_length_buckets`) so that a short sequence is not padded to the longest one in the
+    batch. The g = H / KVH query heads that share a KV head become g query rows, so GQA
+    needs no K/V repeat:
 
         q [S, KVH, g, D]  x  K [S, KVH, L, D]      mask [S, 1, 1, L]:  key j < seq_len
 
-  * longer queries (prefill chunks), padded to the longest one (SDPA's enable_gqa):
+  * a prefill chunk of at least `LONG_QUERY` tokens, alone: a whole prompt (or its first
+    chunk) is plain causal attention on this step's k and v (no gather, no mask); a later
+    chunk attends its gathered context with the causal mask offset by the context length.
+
+  * the remaining short queries together, padded to the longest one (SDPA's enable_gqa):
 
         q [S, H, Q, D]  x  K [S, KVH, L, D]        mask [S, 1, Q, L]:
               key j <= context_len + query row   (padded rows see key 0 only)
 
-    A lone longer query without context (a whole prompt, or its first chunk) is plain
-    causal attention on this step's k and v: no gather, no mask.
-
 K and V are gathered from the paged cache a whole block at a time through the block
-table (`index_select` of block rows), L = blocks needed by the longest sequence x block_size.
+table (`index_select` of block rows), L = blocks needed by the group's longest sequence x
+block_size. On the CPU decode attention is memory-bound, so the bytes gathered and read
+are what the buckets save: for 64 decodes of 32..544 tokens one padded call reads 1.8x the
+K/V a bucketed layout does; the kernel reads each byte once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +53,9 @@ class _Group:
     pad_index: torch.Tensor | None  # [S, Q] token row per padded query (None for decodes)
     valid: torch.Tensor | None  # [S, Q] bool: a real query row
     causal_self: bool = False  # a single sequence without context: plain causal attention on k, v
+    # decodes through the CPU kernel: int32 block table and lengths, and its per-thread split
+    kernel_lens: torch.Tensor | None = None
+    kernel_split: list[int] | None = None
 
 
 @dataclass
@@ -54,10 +68,23 @@ class _StepLayout:
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None, decode_kernel: bool | None = None) -> None:
+        """`decode_kernel`: decodes on a CPU through `cpu_decode` (None: where it builds; False: SDPA)."""
         self.device = torch.device(device) if device is not None else None
         self._layout_meta: AttentionMetadata | None = None
         self._layout: _StepLayout | None = None
+        self._kernel = None
+        on_cpu = self.device is None or self.device.type == "cpu"
+        if on_cpu and decode_kernel is not False:
+            from executor_svc.attention.cpu_decode import CpuDecodeKernel
+
+            self._kernel = CpuDecodeKernel.load()
+            if decode_kernel and self._kernel is None:
+                raise RuntimeError("the CPU decode attention kernel was asked for and could not be built")
+
+    @property
+    def uses_decode_kernel(self) -> bool:
+        return self._kernel is not None
 
     def forward(
         self,
@@ -69,7 +96,8 @@ class TorchBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        layout = self._layout_for(meta, k_cache.shape[1])
+        kernel = self._kernel if k_cache.dtype == q.dtype == torch.float32 and k_cache.device.type == "cpu" else None
+        layout = self._layout_for(meta, k_cache.shape[1], kernel)
         self._write_kv(k, v, k_cache, v_cache, layout)
 
         groups = layout.groups
@@ -80,9 +108,10 @@ class TorchBackend:
             out[g.token_rows] = self._attend(g, q, k, v, k_cache, v_cache, scale)
         return out
 
-    @staticmethod
-    def _attend(g: _Group, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+    def _attend(self, g: _Group, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
         """The group's output rows, [num_group_tokens, H, D] in `g.token_rows` order."""
+        if g.kernel_lens is not None:
+            return self._kernel(q[g.token_rows], k_cache, v_cache, g.block_table, g.kernel_lens, scale, g.kernel_split)
         _, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group_size = num_heads // num_kv_heads
@@ -118,9 +147,9 @@ class TorchBackend:
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, layout.write_slots, k.to(k_cache.dtype))
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, layout.write_slots, v.to(v_cache.dtype))
 
-    def _layout_for(self, meta: AttentionMetadata, block_size: int) -> _StepLayout:
+    def _layout_for(self, meta: AttentionMetadata, block_size: int, kernel) -> _StepLayout:
         if meta is not self._layout_meta:
-            self._layout = _build_layout(meta, block_size)
+            self._layout = _build_layout(meta, block_size, kernel)
             self._layout_meta = meta
         return self._layout
 
@@ -133,7 +162,15 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return blocks.view(num_seqs, cols * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
-def _build_layout(meta: AttentionMetadata, block_size: int) -> _StepLayout:
+# A prefill query at least this long is attended alone (no padding to its neighbours).
+LONG_QUERY = 32
+# The cost of one more SDPA call (gather, mask, output scatter), in padded key tokens of a
+# decode bucket: about 0.1 ms against ~0.35 us per key token on 2 cores. It only sets how
+# eagerly buckets are cut; outputs do not depend on it.
+BUCKET_CALL_COST = 256
+
+
+def _build_layout(meta: AttentionMetadata, block_size: int, kernel=None) -> _StepLayout:
     slot_mapping = meta.slot_mapping.long()
     written = slot_mapping >= 0
     if bool(written.all()):
@@ -145,18 +182,58 @@ def _build_layout(meta: AttentionMetadata, block_size: int) -> _StepLayout:
     starts = meta.query_start_loc[:-1].long()
     query_lens = meta.query_start_loc[1:].long() - starts
     seq_lens = meta.seq_lens.long()
-    is_decode = query_lens == 1
-    groups = []
-    decode_ids = is_decode.nonzero().squeeze(1)
-    prefill_ids = (~is_decode).nonzero().squeeze(1)
     num_seqs = seq_lens.shape[0]
-    if decode_ids.numel():
+    is_decode = query_lens == 1
+    is_long = query_lens >= LONG_QUERY
+    decode_ids = is_decode.nonzero().squeeze(1)
+    short_ids = (~is_decode & ~is_long).nonzero().squeeze(1)
+    long_ids = is_long.nonzero().squeeze(1)
+
+    groups = []
+    if decode_ids.numel() and kernel is not None:  # every decode in one kernel call, no padding
         whole = decode_ids.numel() == num_seqs
-        groups.append(_decode_group(decode_ids, starts, seq_lens, meta.block_table, block_size, whole))
-    if prefill_ids.numel():
-        whole = prefill_ids.numel() == num_seqs
-        groups.append(_prefill_group(prefill_ids, starts, query_lens, seq_lens, meta.block_table, block_size, whole))
+        lens = meta.seq_lens[decode_ids].to(torch.int32)
+        table = _table(meta.block_table, decode_ids, int(lens.max()), block_size).to(torch.int32).contiguous()
+        rows = slice(None) if whole else starts[decode_ids]
+        groups.append(_Group(rows, table, None, 1, None, None, kernel_lens=lens, kernel_split=kernel.split(lens)))
+    elif decode_ids.numel():
+        lens = seq_lens[decode_ids]
+        if decode_ids.numel() == num_seqs and int(lens.min()) == int(lens.max()):  # one bucket, in order
+            groups.append(_decode_group(decode_ids, starts, seq_lens, meta.block_table, block_size, whole=True))
+        else:
+            order = decode_ids[torch.argsort(lens, stable=True)]
+            for bucket in _length_buckets(seq_lens[order].tolist(), block_size):
+                groups.append(_decode_group(order[bucket], starts, seq_lens, meta.block_table, block_size, False))
+    if short_ids.numel():
+        whole = short_ids.numel() == num_seqs
+        groups.append(_prefill_group(short_ids, starts, query_lens, seq_lens, meta.block_table, block_size, whole))
+    for seq_id in long_ids.tolist():
+        ids = long_ids.new_tensor([seq_id])
+        groups.append(_prefill_group(ids, starts, query_lens, seq_lens, meta.block_table, block_size, num_seqs == 1))
     return _StepLayout(write_rows=write_rows, write_slots=write_slots, groups=groups)
+
+
+def _length_buckets(sorted_lens: list[int], block_size: int) -> list[slice]:
+    """Cut ascending sequence lengths into contiguous buckets, each padded to its longest
+    sequence (in whole blocks), minimising padded key tokens + BUCKET_CALL_COST per bucket.
+
+    Exact dynamic programme over cut points, O(n^2) in numpy for n sequences (n <= a few
+    hundred, once per step).
+    """
+    n = len(sorted_lens)
+    padded = np.asarray([-(-length // block_size) * block_size for length in sorted_lens], dtype=np.int64)
+    best = np.zeros(n + 1, dtype=np.int64)  # best[j]: cost of the first j sequences
+    cut = np.zeros(n + 1, dtype=np.int64)  # where the last bucket of the first j sequences starts
+    for j in range(1, n + 1):
+        i = np.arange(j)
+        cost = best[:j] + (j - i) * padded[j - 1] + BUCKET_CALL_COST
+        k = int(cost.argmin())
+        best[j], cut[j] = cost[k], k
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(slice(int(cut[j]), j))
+        j = int(cut[j])
+    return buckets[::-1]
 
 
 def _table(block_table: torch.Tensor, seq_ids: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -64,13 +66,27 @@ CASES = [
     ([5, 0, 9], [1, 20, 1]),  # one prompt from its start beside decodes
     ([40], [33]),  # one chunk with context
     ([0], [1000]),
+    # 40 decodes of spread lengths (several length buckets) among long chunks with and without
+    # context (attended alone) and short ones (padded together)
+    ([(37 * i) % 301 for i in range(40)] + [0, 50, 7, 0], [1] * 40 + [40, 33, 5, 2]),
+    ([2047, 3, 600, 1], [1, 1, 1, 1]),  # one long decode among short ones
 ]
 
 
+def backend(decode_kernel: bool) -> TorchBackend:
+    """The torch backend with decodes through SDPA on gathered blocks, or through the CPU kernel."""
+    if decode_kernel and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler for the CPU decode kernel")
+    b = TorchBackend("cpu", decode_kernel=decode_kernel)
+    assert b.uses_decode_kernel == decode_kernel
+    return b
+
+
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "kernel"])
 @pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 16)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 16), (8, 1, 128)])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference(case, num_heads, num_kv_heads, head_dim, block_size):
+def test_matches_reference(case, num_heads, num_kv_heads, head_dim, block_size, decode_kernel):
     context_lens, query_lens = CASES[case]
     num_blocks = sum(-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens)) + 4
     meta = make_step(context_lens, query_lens, block_size, num_blocks, seed=case)
@@ -83,35 +99,74 @@ def test_matches_reference(case, num_heads, num_kv_heads, head_dim, block_size):
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
     scale = head_dim**-0.5
 
-    out = TorchBackend("cpu").forward(q, k, v, k_cache, v_cache, meta, scale)
+    out = backend(decode_kernel).forward(q, k, v, k_cache, v_cache, meta, scale)
 
     torch.testing.assert_close(k_cache.flatten(0, 1)[meta.slot_mapping], k)
     torch.testing.assert_close(v_cache.flatten(0, 1)[meta.slot_mapping], v)
     torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, meta, scale), atol=2e-5, rtol=1e-4)
 
 
-def test_slot_minus_one_is_not_written():
+def _brute_force_cost(sorted_lens, block_size):
+    """Least padded tokens + call cost over every way to cut the list into contiguous buckets."""
+    from itertools import combinations
+
+    from executor_svc.attention.torch_backend import BUCKET_CALL_COST
+
+    n, best = len(sorted_lens), None
+    padded = [-(-x // block_size) * block_size for x in sorted_lens]
+    for k in range(n):
+        for cuts in combinations(range(1, n), k):
+            bounds = [0, *cuts, n]
+            cost = sum((b - a) * padded[b - 1] + BUCKET_CALL_COST for a, b in zip(bounds, bounds[1:]))
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_length_buckets_are_optimal(seed):
+    from executor_svc.attention.torch_backend import BUCKET_CALL_COST, _length_buckets
+
+    g = torch.Generator().manual_seed(seed)
+    lens = sorted(torch.randint(1, 2000 if seed % 2 else 200, (9,), generator=g).tolist())
+    buckets = _length_buckets(lens, 16)
+    assert buckets[0].start == 0 and buckets[-1].stop == len(lens)
+    assert all(a.stop == b.start for a, b in zip(buckets, buckets[1:]))
+    cost = sum((b.stop - b.start) * -(-lens[b.stop - 1] // 16) * 16 + BUCKET_CALL_COST for b in buckets)
+    assert cost == _brute_force_cost(lens, 16)
+
+
+def test_spread_decode_lengths_use_several_buckets():
+    from executor_svc.attention.torch_backend import _build_layout
+
+    meta = make_step([20] * 8 + [1500] * 2, [1] * 10, block_size=16, num_blocks=240, seed=0)
+    groups = _build_layout(meta, 16, kernel=None).groups
+    assert sorted(g.block_table.shape for g in groups) == [(2, 94), (8, 2)]
+
+
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "kernel"])
+def test_slot_minus_one_is_not_written(decode_kernel):
     meta = make_step([3, 0], [1, 4], block_size=4, num_blocks=8, seed=0)
     meta.slot_mapping[2] = -1
     shape = (8, 4, 2, 8)
     k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
     k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
-    TorchBackend().forward(torch.randn(5, 4, 8), k, v, k_cache, v_cache, meta, 0.3)
+    backend(decode_kernel).forward(torch.randn(5, 4, 8), k, v, k_cache, v_cache, meta, 0.3)
     written = meta.slot_mapping >= 0
     torch.testing.assert_close(k_cache.flatten(0, 1)[meta.slot_mapping[written]], k[written])
     assert int((k_cache.flatten(0, 2).abs().sum(-1) > 0).sum()) == 4 * 2
     assert int((v_cache.flatten(0, 2).abs().sum(-1) > 0).sum()) == 4 * 2
 
 
-def test_layout_is_rebuilt_for_each_step():
-    backend = TorchBackend()
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "kernel"])
+def test_layout_is_rebuilt_for_each_step(decode_kernel):
+    b = backend(decode_kernel)
     shape = (16, 4, 2, 8)
     k_cache, v_cache = torch.randn(shape), torch.randn(shape)
     for seed, (ctx, qlens) in enumerate([([0, 0], [3, 5]), ([3, 5], [1, 1]), ([7, 0], [2, 9])]):
         meta = make_step(ctx, qlens, 4, 16, seed)
         n = sum(qlens)
         q, k, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.35)
+        out = b.forward(q, k, v, k_cache, v_cache, meta, 0.35)
         torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, meta, 0.35), atol=2e-5, rtol=1e-4)
 
 
@@ -136,3 +191,41 @@ def test_get_backend(monkeypatch):
         get_backend("triton", "cpu")
     with pytest.raises(ValueError, match="triton"):
         get_backend("torch", "cpu", kv_cache_dtype="fp8")
+
+
+def test_decode_kernel_switch_and_fallback(monkeypatch, tmp_path):
+    from executor_svc.attention import cpu_decode
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    assert cpu_decode.CpuDecodeKernel.load() is None
+    assert not TorchBackend("cpu").uses_decode_kernel
+    monkeypatch.delenv(cpu_decode.ENV_SWITCH)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert cpu_decode.CpuDecodeKernel.load() is None  # SDPA instead, with a warning
+    with pytest.raises(RuntimeError, match="could not be built"):
+        TorchBackend("cpu", decode_kernel=True)
+    if shutil.which("cc") or shutil.which("gcc"):
+        monkeypatch.delenv("CC")
+        assert cpu_decode.CpuDecodeKernel.load() is not None  # built into the empty cache folder
+        assert list((tmp_path / "kernels").glob("paged_decode-*.so"))
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 5])
+def test_decode_kernel_thread_split(num_threads):
+    """Any split of the sequences among threads gives the same output as one thread."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler for the CPU decode kernel")
+    from executor_svc.attention.cpu_decode import CpuDecodeKernel
+
+    kernel = CpuDecodeKernel.load(num_threads)
+    meta = make_step([(53 * i) % 700 for i in range(11)], [1] * 11, block_size=16, num_blocks=600, seed=3)
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(600, 16, 2, 64, generator=g), torch.randn(600, 16, 2, 64, generator=g)
+    q = torch.randn(11, 8, 64, generator=g)
+    bounds = kernel.split(meta.seq_lens)
+    assert bounds[0] == 0 and bounds[-1] == 11 and len(bounds) == min(num_threads, 11) + 1
+    out = kernel(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125)
+    one = kernel(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125, work_split=[0, 11])
+    torch.testing.assert_close(out, one, atol=0, rtol=0)
+    torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, meta, 0.125), atol=2e-5, rtol=1e-4)

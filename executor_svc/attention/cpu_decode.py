@@ -1,0 +1,145 @@
+"""The CPU decode-attention kernel (`csrc/paged_decode.c`): built once per machine, called through ctypes.
+
+Decode attention on a CPU is memory-bound. The portable path gathers each sequence's K and V
+blocks into a padded copy and runs SDPA on it, so every K/V byte is read, written, and read
+again; this kernel reads K and V once, in place, through the block table. It is plain C
+compiled with the system compiler (`cc -O3 -march=native`, no torch headers: about a second)
+into `~/.cache/pagoda/kernels/`, keyed by the source, the compiler and this CPU's flags. The
+work, (sequence, kv head) pairs, is split into one contiguous range per torch thread, run on
+a thread pool: ctypes releases the GIL for the duration of each call.
+
+Where no compiler is found or the build fails, `load()` returns None and the backend keeps
+the SDPA path. `PAGODA_CPU_DECODE_KERNEL=0` turns the kernel off (for side-by-side runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-shared", "-fPIC", "-std=c11")
+ENV_SWITCH = "PAGODA_CPU_DECODE_KERNEL"
+
+_c_int64, _c_float, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags()]).encode())
+    target = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then rename: no half-written .so
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *CFLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True, check=True)
+        os.replace(built, target)
+    log.info("built the CPU decode attention kernel: %s", target)
+    return target
+
+
+class CpuDecodeKernel:
+    """`kernel(q, k_cache, v_cache, block_table, seq_lens, scale) -> out` for float32 decodes."""
+
+    def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
+        fn = library.paged_decode_attention
+        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64, _c_int64, _c_int64, _c_float, _c_int64, _c_int64]
+        fn.restype = None
+        self._fn = fn
+        self.num_threads = max(1, num_threads)
+        self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="decode-attn") if self.num_threads > 1 else None
+
+    @classmethod
+    def load(cls, num_threads: int | None = None) -> CpuDecodeKernel | None:
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            log.info("CPU decode attention kernel off (%s=0): SDPA on gathered blocks", ENV_SWITCH)
+            return None
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        if compiler is None:
+            log.info("no C compiler found: CPU decode attention uses SDPA on gathered blocks")
+            return None
+        try:
+            library = ctypes.CDLL(str(_build(compiler)))
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            log.warning("could not build the CPU decode attention kernel (%s): using SDPA on gathered blocks", detail)
+            return None
+        kernel = cls(library, num_threads or torch.get_num_threads())
+        log.info("decode attention: CPU kernel on %d thread(s)", kernel.num_threads)
+        return kernel
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [S, H, D] float32
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,  # [S, cols] int32
+        seq_lens: torch.Tensor,  # [S] int32
+        scale: float,
+        work_split: list[int] | None = None,
+    ) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        q = q.contiguous()
+        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert block_table.dtype == torch.int32 and seq_lens.dtype == torch.int32 and block_table.stride(1) == 1
+        out = torch.empty_like(q)
+        bounds = work_split if work_split is not None else self.split(seq_lens)
+        scratch = torch.empty(len(bounds) - 1, num_heads * (block_size + 2), dtype=torch.float32)
+        args = (
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+            seq_lens.data_ptr(), out.data_ptr(),
+        )
+        tail = (num_heads, num_kv_heads, head_dim, block_size, scale)
+        calls = [
+            (*args, scratch[i].data_ptr(), *tail, bounds[i], bounds[i + 1])
+            for i in range(len(bounds) - 1)
+            if bounds[i + 1] > bounds[i]
+        ]
+        if self._pool is None or len(calls) == 1:
+            for c in calls:
+                self._fn(*c)
+        else:
+            others = [self._pool.submit(self._fn, *c) for c in calls[1:]]
+            self._fn(*calls[0])  # this thread's share, while the pool runs the rest
+            for f in others:
+                f.result()
+        return out
+
+    def split(self, seq_lens: torch.Tensor) -> list[int]:
+        """Sequence boundaries [0, ..., S] giving each thread about the same number of keys."""
+        num_seqs = seq_lens.shape[0]
+        parts = min(self.num_threads, num_seqs)
+        if parts <= 1:
+            return [0, num_seqs]
+        cost = seq_lens.cumsum(0)
+        targets = cost[-1] * torch.arange(1, parts) / parts
+        inner = torch.searchsorted(cost, targets).tolist()
+        return [0, *inner, num_seqs]
