@@ -23,7 +23,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     add_flag(p, "--executor-bind", default="tcp://127.0.0.1:5557", help="ZeroMQ endpoint executors connect to")
     add_flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
-    add_flag(p, "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    add_flag(
+        p, "--max-num-batched-tokens", type=int, default=None,
+        help="token budget of one step (default: 2048 for a GPU executor, 512 for a CPU one)",
+    )
     add_flag(p, "--max-num-seqs", type=int, default=256, help="requests running at once per executor")
     add_flag(p, "--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
     add_bool_flag(p, "--enable-prefix-caching", default=True, help="reuse the KV blocks of shared prefixes")
