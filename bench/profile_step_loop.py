@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import shlex
 import shutil
 import subprocess
 import sys
@@ -155,8 +156,6 @@ def main() -> None:
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(py_spy).exists():
         parser.error("needs py-spy: pip install py-spy")
-
-    import shlex
 
     from tests.service.harness import Service
 

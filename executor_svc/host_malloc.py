@@ -47,5 +47,5 @@ def keep_freed_memory() -> bool:
         for param, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
     )
     if ok:
-        log.info("glibc malloc keeps freed memory (mmap threshold 1 GiB, no trimming)")
+        log.info("glibc malloc keeps freed memory (mmap threshold 1 GiB, trim threshold 2 GiB)")
     return ok

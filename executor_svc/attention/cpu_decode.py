@@ -5,8 +5,8 @@ blocks into a padded copy and runs SDPA on it, so every K/V byte is read, writte
 again; this kernel reads K and V once, in place, through the block table. It is plain C
 compiled with the system compiler (`cc -O3 -march=native`, no torch headers: 0.4 s here)
 into `~/.cache/pagoda/kernels/`, keyed by the source, the compiler and this CPU's flags. The
-work, (sequence, kv head) pairs, is split into one contiguous range per torch thread, run on
-a thread pool: ctypes releases the GIL for the duration of each call.
+sequences are split into one contiguous range per torch thread, balanced by length, and run
+on a thread pool: ctypes releases the GIL for the duration of each call.
 
 Where no compiler is found or the build fails, `load()` returns None and the backend keeps
 the SDPA path. `PAGODA_CPU_DECODE_KERNEL=0` turns the kernel off (for side-by-side runs).

@@ -47,7 +47,7 @@ class _Group:
     """Sequences attended in one SDPA call."""
 
     token_rows: torch.Tensor | slice  # rows of q / output, in the group's order
-    block_table: torch.Tensor  # [S, num_blocks] int64
+    block_table: torch.Tensor  # [S, num_blocks] block ids (int32 for the decode kernel)
     mask: torch.Tensor | None  # bool: [S, 1, 1, L] for decodes, [S, 1, Q, L] for longer queries
     query_len: int  # Q: 1 for decodes, else the padded length
     pad_index: torch.Tensor | None  # [S, Q] token row per padded query (None for decodes)
@@ -193,7 +193,7 @@ def _build_layout(meta: AttentionMetadata, block_size: int, kernel=None) -> _Ste
     if decode_ids.numel() and kernel is not None:  # every decode in one kernel call, no padding
         whole = decode_ids.numel() == num_seqs
         lens = meta.seq_lens[decode_ids].to(torch.int32)
-        table = _table(meta.block_table, decode_ids, int(lens.max()), block_size).to(torch.int32).contiguous()
+        table = _table(meta.block_table, decode_ids, int(lens.max()), block_size).to(torch.int32)
         rows = slice(None) if whole else starts[decode_ids]
         groups.append(_Group(rows, table, None, 1, None, None, kernel_lens=lens, kernel_split=kernel.split(lens)))
     elif decode_ids.numel():
@@ -237,8 +237,9 @@ def _length_buckets(sorted_lens: list[int], block_size: int) -> list[slice]:
 
 
 def _table(block_table: torch.Tensor, seq_ids: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:
+    """The rows `seq_ids` of the block table, cut to the blocks of the longest: a contiguous copy."""
     cols = -(-max_seq_len // block_size)
-    return block_table[seq_ids, :cols].long()
+    return block_table[seq_ids, :cols]
 
 
 def _decode_group(
