@@ -33,6 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--max-waiting-requests", type=int, default=1024, help="queue bound (RESOURCE_EXHAUSTED past it)")
     add_flag(p, "--executor-timeout", type=float, default=2.0, help="seconds without heartbeat before an executor is dead")
     add_flag(p, "--no-executor-wait", type=float, default=30.0, help="seconds a request waits for an executor, then UNAVAILABLE")
+    add_bool_flag(
+        p, "--async-scheduling", default=True,
+        help="plan each executor's next step while its current one runs (the executor never waits for the scheduler)",
+    )
     add_flag(p, "--shutdown-grace", type=float, default=30.0, help="seconds streams may run on after SIGTERM")
     add_flag(p, "--metrics-port", type=int, default=9400, help="Prometheus /metrics port on --host (0 = off)")
     add_flag(p, "--log-level", default="INFO")
@@ -54,6 +58,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_waiting_requests=args.max_waiting_requests,
         executor_timeout_s=args.executor_timeout,
         no_executor_wait_s=args.no_executor_wait,
+        async_scheduling=args.async_scheduling,
     )
     engine = Engine(config, tokenizer, args.executor_bind)
     server, port = await build_server(engine, spec, model_files.model_name(args.model), f"{args.host}:{args.port}")
@@ -62,7 +67,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.metrics_port:
         engine.metrics.serve(args.host, args.metrics_port)
         log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.metrics_port)
-    log.info("serving pagoda.v1.Generation on %s:%d; executors connect to %s", args.host, port, engine.link.endpoint)
+    log.info("serving pagoda.v1.Generation on %s:%d; executors connect to %s", args.host, port, engine.pool.link.endpoint)
     print(f"PAGODA_READY port={port}", flush=True)
 
     stop = asyncio.Event()

@@ -1,27 +1,55 @@
 """Prometheus metrics, named after vLLM's (`vllm:x` is `pagoda:x` here) so dashboards carry over.
 
-Latencies are observed by the engine as tokens reach the request streams; gauges and
-totals are read from the executors' schedulers at scrape time. Each Engine has its own
-registry: no module-level state.
+Latencies are observed as tokens reach the request streams; gauges and totals are read
+from a snapshot of the engine (`Engine.snapshot()`) at scrape time. Each Engine has its
+own registry: no module-level state.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from scheduler_svc.engine import Engine
+from scheduler_svc.core import FinishReason, SchedulerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-_FINISH_NAMES = {1: "eos", 2: "stop", 3: "stop_token", 4: "length", 5: "abort"}
+
+
+@dataclass(frozen=True)
+class ExecutorSnapshot:
+    executor_id: str
+    device: str
+    healthy: bool
+    stats: SchedulerStats
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's live figures: each executor's scheduler, plus requests bound to none yet."""
+
+    executors: list[ExecutorSnapshot]
+    num_queued: int  # in the engine's waiting queue
+    num_preemptions_retired: int  # counted by executors that are gone
+
+    @property
+    def num_running(self) -> int:
+        return sum(e.stats.num_running for e in self.executors)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.num_queued + sum(e.stats.num_waiting for e in self.executors)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_retired + sum(e.stats.num_preemptions for e in self.executors)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pagoda:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
@@ -34,32 +62,39 @@ class Metrics:
         self.request_success = Counter("pagoda:request_success", "Finished requests by reason", ["finished_reason"], registry=r)
         self.routing = Counter("pagoda:routing_decisions", "Where new requests were sent, and why", ["reason"], registry=r)
 
-    def attach(self, engine: "Engine") -> None:
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_SnapshotCollector(snapshot))
 
     def serve(self, host: str, port: int):
         return start_http_server(port, addr=host, registry=self.registry)
+
+    def observe_first_token(self, arrival: float, prompt_tokens: int, cached_tokens: int) -> None:
+        self.ttft.observe(time.monotonic() - arrival)
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
 
     def observe_finish(self, arrival: float, prompt_tokens: int, finish_reasons: list[int]) -> None:
         self.e2e.observe(time.monotonic() - arrival)
         self.prompt_tokens.inc(prompt_tokens)
         for reason in finish_reasons:
-            self.request_success.labels(_FINISH_NAMES.get(reason, "unknown")).inc()
+            self.request_success.labels(FinishReason(reason).name.lower()).inc()
 
 
-class _EngineCollector:
-    """Gauges and totals read from the live engine when Prometheus scrapes."""
+class _SnapshotCollector:
+    """Gauges and totals read from an engine snapshot when Prometheus scrapes."""
 
-    def __init__(self, engine: "Engine"):
-        self._engine = engine
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+        self._snapshot = snapshot
+
+    def describe(self):
+        return []  # the registry then needs no snapshot at registration (the engine is not built yet)
 
     def collect(self):
-        engine = self._engine
-        stats = [h.scheduler.stats() for h in engine.executors.values()]
+        snap = self._snapshot()
+        stats = [e.stats for e in snap.executors]
         running = GaugeMetricFamily("pagoda:num_requests_running", "Requests running on executors")
-        running.add_metric([], sum(s.num_running for s in stats))
+        running.add_metric([], snap.num_running)
         waiting = GaugeMetricFamily("pagoda:num_requests_waiting", "Requests waiting for a step or an executor")
-        waiting.add_metric([], sum(s.num_waiting for s in stats) + len(engine._orphans))
+        waiting.add_metric([], snap.num_waiting)
         total = sum(s.num_total_blocks for s in stats)
         free = sum(s.num_free_blocks for s in stats)
         usage = GaugeMetricFamily("pagoda:kv_cache_usage_perc", "Share of KV blocks in use (1 = full)")
@@ -67,5 +102,5 @@ class _EngineCollector:
         executors = GaugeMetricFamily("pagoda:num_executors", "Registered, healthy executors")
         executors.add_metric([], len(stats))
         preemptions = CounterMetricFamily("pagoda:num_preemptions", "Requests preempted (recomputed later)")
-        preemptions.add_metric([], engine.num_preemptions_retired + sum(s.num_preemptions for s in stats))
+        preemptions.add_metric([], snap.num_preemptions)
         yield from (running, waiting, usage, executors, preemptions)

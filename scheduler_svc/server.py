@@ -30,18 +30,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             params = validate_generate(request, self.engine.tokenizer, self.spec, self.engine.config.max_model_len)
-            state = self.engine.submit(params)
+            stream = self.engine.submit(params)
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
             return
         log.info("request %s: %d prompt tokens, n=%d", params.request_id, len(params.prompt_token_ids), params.n)
         try:
-            async for response in state.responses():
+            async for response in stream.responses():
                 yield response
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
         finally:
-            if not state.done:  # the client cancelled or its deadline passed
+            if not stream.done:  # the client cancelled or its deadline passed
                 log.info("request %s cancelled by the client", params.request_id)
                 self.engine.abort(params.request_id)
 

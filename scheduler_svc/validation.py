@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagoda.step import SamplingParams
 from pagoda.v1 import generation_pb2 as pb
+from scheduler_svc.core import fit_error
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.tokenizer import ModelSpec, apply_chat_template, encode_text
 
@@ -85,15 +86,9 @@ def validate_generate(
     max_tokens = stopping.max_tokens if stopping.HasField("max_tokens") else None
     if max_tokens == 0:
         raise InvalidArgument("stopping.max_tokens", "must be >= 1")
-    if len(prompt_ids) >= max_model_len:
-        raise InvalidArgument(
-            "prompt", f"{len(prompt_ids)} tokens leave no room to generate within max_model_len {max_model_len}"
-        )
-    if max_tokens is not None and len(prompt_ids) + max_tokens > max_model_len:
-        raise InvalidArgument(
-            "stopping.max_tokens",
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len {max_model_len}",
-        )
+    problem = fit_error(len(prompt_ids), max_tokens, max_model_len)
+    if problem:
+        raise InvalidArgument(problem[0], f"{problem[1]} (max_model_len)")
     min_tokens = stopping.min_tokens if stopping.HasField("min_tokens") else 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise InvalidArgument("stopping.min_tokens", f"{min_tokens} exceeds max_tokens {max_tokens}")

@@ -5,7 +5,7 @@ are adapters around `Scheduler.add_requests` / `schedule` / `update_from_output`
 """
 
 from scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
-from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig, fit_error
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
@@ -22,4 +22,5 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",
+    "fit_error",
 ]

@@ -5,6 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fit_error(num_prompt_tokens: int, max_tokens: int | None, max_seq_len: int) -> tuple[str, str] | None:
+    """The one fit check: (field, problem) if a request can never run within `max_seq_len` tokens.
+
+    Validation calls it with `max_model_len`, the engine with the largest executor's
+    capacity, a core scheduler with its own; None when it fits.
+    """
+    if num_prompt_tokens + 1 > max_seq_len:
+        return "prompt", f"{num_prompt_tokens} tokens leave no room to generate within {max_seq_len} tokens"
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_seq_len:
+        return (
+            "stopping.max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds {max_seq_len} tokens",
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one executor's scheduler.

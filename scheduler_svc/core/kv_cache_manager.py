@@ -23,11 +23,8 @@ from collections.abc import Iterable, Sequence
 from pagoda.step import BlockCopy
 from scheduler_svc.core.block_hash import ROOT_HASH, BlockHash, extend_block_hashes, hash_block_tokens
 from scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
+from scheduler_svc.core.config import cdiv
 from scheduler_svc.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -96,6 +93,9 @@ class KVCacheManager:
         nothing changed, when the pool is short.
         """
         table = self._block_tables.get(request.req_id)
+        if table and not new_computed_blocks:  # the common case: a decode within its last block
+            if request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+                return []
         if new_computed_blocks and table:
             raise ValueError(f"request {request.req_id!r} already holds blocks; no prefix hit allowed")
         num_held = len(table) if table else 0
@@ -193,7 +193,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         start = self._num_hashed_blocks.get(request.req_id, 0)
-        num_full = request.num_computed_tokens // self.block_size
+        # planned positions of tokens not sampled yet (async scheduling) have no hash yet
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if num_full <= start:
             return
         table, hashes = self._block_tables[request.req_id], self._hashes(request)

@@ -4,11 +4,17 @@ Accounting, the same on both sides of the step protocol (see `pagoda.step`)::
 
     all_token_ids        prompt_token_ids + output_token_ids
     num_computed_tokens  tokens whose KV is in the cache (0 while waiting)
-    num_tokens - num_computed_tokens
+    num_output_placeholders
+                         tokens that steps in flight will sample (async scheduling:
+                         a step is planned before the previous one's result is back)
+    num_tokens + num_output_placeholders - num_computed_tokens
                          tokens still to compute; 1 for a decode, more during a prefill
 
-A request gets a new output token exactly when a step brings `num_computed_tokens`
-up to `num_tokens`; hence a running request always has at least one token to compute.
+`num_computed_tokens` counts what has been *scheduled*: it advances when a step is
+planned, so the next step can be planned while this one runs. A step that brings it up
+to `num_tokens + num_output_placeholders` will sample a token: the placeholder count
+grows by one until that step's result is applied. Hence a running request always has at
+least one token to compute.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ class Request:
 
     Invariants kept by the scheduler:
       * WAITING / PREEMPTED: `num_computed_tokens == 0` and no KV block is held;
-      * RUNNING: `0 <= num_computed_tokens < num_tokens`;
+      * RUNNING: `0 <= num_computed_tokens < num_tokens + num_output_placeholders`;
       * `output_token_ids` only grows, through `append_output_token`.
 
     `num_cached_tokens` is the prefix-cache hit measured the first time the request
@@ -70,6 +76,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    num_output_placeholders: int = 0
     num_preemptions: int = 0
     was_scheduled: bool = False
     is_beam: bool = False
@@ -107,6 +114,10 @@ class Request:
     @property
     def stop_token_ids(self) -> frozenset[int]:
         return self._stop_token_ids
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

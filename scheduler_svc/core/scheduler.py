@@ -1,7 +1,12 @@
 """The scheduler of one executor: a token budget over running, then waiting, requests.
 
-One step is `schedule()` -> executor runs the `StepPlan` -> `update_from_output()`;
-the next `schedule()` waits for the previous plan's result.
+One step is `schedule()` -> executor runs the `StepPlan` -> `update_from_output()`.
+Steps may be planned ahead (async scheduling): `schedule()` can be called again while
+earlier plans are in flight, and their results are applied in order. A step advances
+`num_computed_tokens` when it is planned; a token it will sample is a placeholder
+(`Request.num_output_placeholders`) until its result arrives, so the next step can
+already feed it. A request that finishes with a token has the extra position planned
+after it discarded (the executor drops it with the next plan).
 
 Every request is (tokens, `num_computed_tokens`); a step grants it `num_scheduled_tokens`
 tokens, so chunked prefill, decode, prefix hits, forks and resumption after preemption
@@ -37,10 +42,12 @@ the next one).
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from pagoda.step import BlockCopy, CachedRequestData, NewRequestData, SampledToken, StepPlan, StepResult
-from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig, cdiv, fit_error
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
@@ -49,6 +56,15 @@ from scheduler_svc.core.sibling_groups import SiblingGroups
 __all__ = ["RequestUpdate", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
 _RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A planned step whose result is not applied yet: who was in it, and who will get a token."""
+
+    plan: StepPlan
+    requests: dict[str, Request]  # the scheduled requests as they were planned
+    expects_token: frozenset[str]
 
 
 class Scheduler:
@@ -74,7 +90,7 @@ class Scheduler:
         self._block_copies: list[BlockCopy] = []  # for the next plan
         self._next_seq = 0
         self._next_step_id = 0
-        self._in_flight: StepPlan | None = None
+        self._in_flight: deque[_InFlight] = deque()  # oldest first
 
     # ---- front end ------------------------------------------------------------------------
 
@@ -84,6 +100,52 @@ class Scheduler:
         A prompt is servable when `can_fit(len(prompt) + 1)`; anything else would wait forever.
         """
         return 0 < num_tokens <= self._max_seq_len
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    def can_admit(self, requests: Sequence[Request], num_cached_tokens: int = 0) -> bool:
+        """Whether the next `schedule()` would likely start `requests` (one group; late binding).
+
+        There must be room under `max_num_seqs` and free blocks for the first chunk of
+        the first request (`num_cached_tokens` of it are a prefix hit), beyond what the
+        requests already waiting here need. An estimate: a request bound here that does
+        not start goes back to the engine with `take_movable()`.
+        """
+        waiting = [r for r in self._waiting if r.req_id not in self._held]
+        if not requests or len(self._running) + len(waiting) >= self.config.max_num_seqs:
+            return False
+        need = sum(self._first_chunk_blocks(r, 0) for r in waiting if self._siblings.leader_of(r.req_id) is None)
+        need += self._first_chunk_blocks(requests[0], num_cached_tokens)
+        return need <= self.kv_cache_manager.block_pool.num_free_blocks
+
+    def _first_chunk_blocks(self, request: Request, num_cached_tokens: int) -> int:
+        num_tokens = min(request.num_tokens, num_cached_tokens + self.config.max_num_batched_tokens)
+        return cdiv(num_tokens, self.config.block_size) - num_cached_tokens // self.config.block_size
+
+    def take_movable(self) -> list[Request]:
+        """Remove and return the waiting requests free to resume on any executor.
+
+        Those are the preempted (or never started) requests with no token in flight that
+        are neither beams (a beam search's beams stay on one executor) nor waiting
+        followers or leaders of `n` siblings. They hold no block; the engine queues them
+        again, so they may resume wherever there is room first.
+        """
+        movable = [
+            r
+            for r in self._waiting
+            if not r.is_beam
+            and r.num_output_placeholders == 0
+            and self._siblings.leader_of(r.req_id) is None
+            and not self._siblings.followers_of(r.req_id)
+        ]
+        for request in movable:
+            self._waiting.remove(request)
+            self.kv_cache_manager.remove(request)
+            del self._requests[request.req_id]
+            del self._order[request.req_id]
+        return movable
 
     def add_requests(self, requests: Sequence[Request]) -> None:
         """Queue one request, or the `n` sibling samples of one (same prompt, distinct ids).
@@ -124,6 +186,7 @@ class Scheduler:
         for request in requests:
             self.kv_cache_manager.remove(request)
             request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
             request.status = RequestStatus.WAITING
         self._requests.clear()
         self._order.clear()
@@ -134,7 +197,7 @@ class Scheduler:
         self._held.clear()
         self._unsent.clear()
         self._block_copies.clear()
-        self._in_flight = None
+        self._in_flight.clear()
         return requests
 
     def fork_beams(self, parent_id: str, children: Sequence[Request]) -> None:
@@ -189,6 +252,18 @@ class Scheduler:
         return tuple(self._waiting)
 
     @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
     def pending_finished_req_ids(self) -> tuple[str, ...]:
         """Ids the executor still holds that the next plan tells it to drop."""
         return tuple(self._finished_req_ids)
@@ -210,9 +285,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Plan the next step. The previous plan's result must have been applied."""
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight.step_id} has no result yet: call update_from_output")
+        """Plan the next step; the tokens of steps still in flight are placeholders."""
         plan = StepPlan(step_id=self._next_step_id, finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         self._next_step_id += 1
@@ -225,27 +298,41 @@ class Scheduler:
             self._release_held(plan)
         self._send_forked(plan)
         if plan.num_scheduled_tokens:
-            self._in_flight = plan
+            self._in_flight.append(self._advance(plan))
         return plan
 
-    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
-        """Apply a step's result: advance computed counts, append tokens, finish what stops.
+    def _advance(self, plan: StepPlan) -> _InFlight:
+        """Count the planned tokens as computed; those that reach the end will sample a token."""
+        requests, expects_token = {}, set()
+        for req_id, num_scheduled in plan.num_scheduled_tokens.items():
+            request = requests[req_id] = self._requests[req_id]
+            request.num_computed_tokens += num_scheduled
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+                expects_token.add(req_id)
+        return _InFlight(plan, requests, frozenset(expects_token))
 
-        Requests finished (e.g. aborted) while the step ran are skipped.
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+        """Apply the result of the oldest step in flight: append tokens, finish what stops.
+
+        Requests finished (e.g. aborted) while the step ran are skipped; a request
+        preempted since keeps its token.
         """
         self._check_result(plan, result)
         if not plan.num_scheduled_tokens:
             return []
-        self._in_flight = None
+        in_flight = self._in_flight.popleft()
         sampled = {token.req_id: token for token in result.sampled}
         updates = []
-        for req_id, num_scheduled in plan.num_scheduled_tokens.items():
+        for req_id, planned in in_flight.requests.items():
             request = self._requests.get(req_id)
-            if request is None or request.status is not _RUNNING:
+            if request is not planned:
                 continue
-            request.num_computed_tokens += num_scheduled
-            self.kv_cache_manager.cache_full_blocks(request)
-            if request.num_computed_tokens == request.num_tokens:
+            if req_id in in_flight.expects_token:
+                request.num_output_placeholders -= 1
+            if request.status is _RUNNING:
+                self.kv_cache_manager.cache_full_blocks(request)
+            if req_id in in_flight.expects_token:
                 updates.append(self._append_sampled(request, sampled[req_id]))
         return updates
 
@@ -260,8 +347,14 @@ class Scheduler:
             if request.num_computed_tokens != 0 or not request.is_waiting:
                 raise AssertionError(f"waiting request {request.req_id!r} is not reset")
         for request in self._running:
-            if request.status is not _RUNNING or not 0 <= request.num_computed_tokens < request.num_tokens:
+            if request.status is not _RUNNING or not 0 <= request.num_computed_tokens < request.num_tokens + request.num_output_placeholders:
                 raise AssertionError(f"running request {request.req_id!r} has a bad state")
+        for request in self._requests.values():
+            pending = sum(
+                1 for f in self._in_flight if f.requests.get(request.req_id) is request and request.req_id in f.expects_token
+            )
+            if request.num_output_placeholders != pending:
+                raise AssertionError(f"request {request.req_id!r}: {request.num_output_placeholders} placeholders, {pending} tokens in flight")
         if not self._held <= set(self._requests) or not self._unsent <= {r.req_id for r in self._running}:
             raise AssertionError("a held beam is unknown, or an unsent beam is not running")
 
@@ -273,7 +366,9 @@ class Scheduler:
                 break
             if request.status is not _RUNNING or request.req_id in self._held:  # preempted in this loop, or held
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._only_awaits_result(request):
+                continue
+            num_new = min(request.num_tokens_to_compute, budget)
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
             if new_block_ids is None:
                 continue
@@ -282,6 +377,18 @@ class Scheduler:
             plan.num_scheduled_tokens[request.req_id] = num_new
             budget -= num_new
         return budget
+
+    def _only_awaits_result(self, request: Request) -> bool:
+        """Nothing to plan until a token in flight is back: a beam lives for one token, and a
+        request whose pending tokens reach a length limit is done (planning on would be waste)."""
+        pending = request.num_output_placeholders
+        if not pending:
+            return False
+        return (
+            request.is_beam
+            or request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self._max_seq_len
+        )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> list[int] | None:
         """Blocks for `num_new` more tokens, preempting from the back of `running` as needed.
@@ -300,7 +407,7 @@ class Scheduler:
         for request in list(self._waiting):
             if budget == 0 or len(self._running) >= self.config.max_num_seqs:
                 return
-            if request.req_id in self._held:
+            if request.req_id in self._held or request.num_output_placeholders:  # its token is not back yet
                 continue
             leader_id = self._siblings.leader_of(request.req_id)
             if leader_id is None:
@@ -446,10 +553,10 @@ class Scheduler:
                 raise ValueError(f"request {request.req_id!r} is finished or still held elsewhere")
             if request.prompt_token_ids != requests[0].prompt_token_ids:
                 raise ValueError(f"sibling {request.req_id!r} has a different prompt")
-            if not self.can_fit(request.num_tokens + 1):
+            problem = fit_error(request.num_tokens, None, self._max_seq_len)
+            if problem:
                 raise ValueError(
-                    f"request {request.req_id!r}: {request.num_tokens} tokens leave no room to generate "
-                    f"(max_seq_len {self.config.max_seq_len}: max_model_len {self.config.max_model_len}, "
+                    f"request {request.req_id!r}: {problem[1]} (max_seq_len {self._max_seq_len}: max_model_len {self.config.max_model_len}, "
                     f"KV cache {self.config.num_usable_blocks} blocks of {self.config.block_size})"
                 )
 
@@ -479,21 +586,18 @@ class Scheduler:
             if result.sampled:
                 raise ValueError(f"step {plan.step_id} scheduled nothing but has tokens")
             return
-        if plan is not self._in_flight:
-            raise ValueError(f"plan {plan.step_id} is not the step in flight")
+        if not self._in_flight or plan is not self._in_flight[0].plan:
+            raise ValueError(f"plan {plan.step_id} is not the oldest step in flight")
         sampled_ids = {token.req_id for token in result.sampled}
         if len(sampled_ids) != len(result.sampled):
             raise ValueError(f"step {plan.step_id}: a request sampled twice")
         for req_id in sampled_ids:
             if req_id not in plan.num_scheduled_tokens:
                 raise ValueError(f"step {plan.step_id}: token for unscheduled request {req_id!r}")
-        for req_id, num_scheduled in plan.num_scheduled_tokens.items():
-            request = self._requests.get(req_id)
-            if request is None or request.status is not _RUNNING:
-                continue
-            expects_token = request.num_computed_tokens + num_scheduled == request.num_tokens
-            if expects_token != (req_id in sampled_ids):
-                raise ValueError(f"step {plan.step_id}: request {req_id!r} expected a token: {expects_token}")
+        missing = self._in_flight[0].expects_token - sampled_ids
+        extra = sampled_ids - self._in_flight[0].expects_token
+        if missing or extra:
+            raise ValueError(f"step {plan.step_id}: tokens missing for {sorted(missing)}, unexpected for {sorted(extra)}")
 
     def _key(self, request: Request) -> tuple[int, float, int]:
         return self._order[request.req_id]

@@ -12,6 +12,7 @@ token sequence and the seed.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from pagoda.step import SampledToken, SamplingParams, StepPlan, StepResult
@@ -186,3 +187,49 @@ def reference_output(request: Request, max_seq_len: int, vocab_size: int = 64) -
             return output
         if len(output) >= request.max_tokens or len(state.token_ids) >= max_seq_len:
             return output
+
+
+class AheadDriver:
+    """Drives a scheduler with one step planned ahead of the last result, as the engine
+    does with async scheduling: the executor runs each plan as it arrives, in order, and
+    the scheduler applies a result only after planning the next step."""
+
+    def __init__(self, scheduler: Scheduler, executor: FakeExecutor) -> None:
+        self.scheduler, self.executor = scheduler, executor
+        self.in_flight: deque[tuple[StepPlan, StepResult]] = deque()
+
+    def step(self) -> list[RequestUpdate]:
+        plan = self.scheduler.schedule()
+        assert plan.total_num_scheduled_tokens <= self.scheduler.config.max_num_batched_tokens
+        assert len(plan.num_scheduled_tokens) <= self.scheduler.config.max_num_seqs
+        self.in_flight.append((plan, self.executor.execute(plan)))
+        updates = self.apply_oldest() if len(self.in_flight) > 1 else []
+        assert_views_agree_ahead(self.scheduler, self.executor)
+        return updates
+
+    def apply_oldest(self) -> list[RequestUpdate]:
+        plan, result = self.in_flight.popleft()
+        return self.scheduler.update_from_output(plan, result)
+
+    def run_to_completion(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished():
+                while self.in_flight:
+                    self.apply_oldest()
+                return
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps")
+
+
+def assert_views_agree_ahead(scheduler: Scheduler, executor: FakeExecutor) -> None:
+    """`assert_views_agree` with steps in flight: the executor is ahead by their tokens."""
+    scheduler.check_integrity()
+    running = {request.req_id: request for request in scheduler.running}
+    assert set(executor.states) == set(running) | set(scheduler.pending_finished_req_ids)
+    manager = scheduler.kv_cache_manager
+    for req_id, request in running.items():
+        state = executor.states[req_id]
+        assert state.token_ids[: request.num_tokens] == request.all_token_ids, req_id
+        assert len(state.token_ids) == request.num_tokens + request.num_output_placeholders, req_id
+        assert state.num_computed_tokens == request.num_computed_tokens, req_id
+        assert state.block_ids == manager.block_ids(req_id), req_id

@@ -143,13 +143,17 @@ def test_protocol_misuse_is_refused():
     with pytest.raises(ValueError, match="in flight"):
         scheduler.add_requests([make_request("a", [1], 4)])
     plan = scheduler.schedule()
-    with pytest.raises(RuntimeError):
-        scheduler.schedule()
+    result = executor.execute(plan)
+    ahead = scheduler.schedule()  # planning ahead is allowed (async scheduling); results come in order
+    assert ahead.num_scheduled_tokens == {"a": 1}
+    with pytest.raises(ValueError, match="oldest step in flight"):
+        scheduler.update_from_output(ahead, StepResult(ahead.step_id))
     with pytest.raises(ValueError):
         scheduler.update_from_output(plan, StepResult(plan.step_id + 1))
-    with pytest.raises(ValueError, match="expected a token"):
+    with pytest.raises(ValueError, match="tokens missing"):
         scheduler.update_from_output(plan, StepResult(plan.step_id))
-    scheduler.update_from_output(plan, executor.execute(plan))
+    scheduler.update_from_output(plan, result)
+    scheduler.update_from_output(ahead, executor.execute(ahead))
 
 
 def test_requests_that_can_never_fit_are_refused():
@@ -191,7 +195,7 @@ def test_an_empty_plan_carries_finished_ids_and_needs_no_result():
     scheduler.add_requests([make_request("b", [4, 5], 8)])
     in_flight = scheduler.schedule()  # an empty plan's result is optional
     assert scheduler.update_from_output(plan, StepResult(plan.step_id)) == []
-    with pytest.raises(RuntimeError):
-        scheduler.schedule()  # the empty plan's result did not clear the step in flight
+    assert scheduler.num_steps_in_flight == 1  # the empty plan's result did not clear the step in flight
     scheduler.update_from_output(in_flight, executor.execute(in_flight))
+    assert scheduler.num_steps_in_flight == 0
     assert executor.states.keys() == {"b"}

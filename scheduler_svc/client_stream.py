@@ -1,10 +1,10 @@
-"""Front-end state of one client request: its n output streams and the response queue.
+"""The front end of one client request: its n output streams and the response queue.
 
-The step loop pushes each sampled token through `on_token` (detokenize, match stop
-strings, collect logprobs); the gRPC handler drains the queue with `responses()`, merging
-whatever piled up into one GenerateResponse. A beam search (`beam_search` set) streams
-nothing until it ends, then its n best sequences whole (`emit_sequence`), so they
-arrive in one final message.
+The request's owners (`scheduler_svc.owners`) push each sampled token through
+`on_token` (detokenize, match stop strings, collect logprobs); the gRPC handler drains
+the queue with `responses()`, merging whatever piled up into one GenerateResponse. A
+beam search streams nothing until it ends, then its n best sequences whole
+(`emit_sequence`), so they arrive in one final message.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from transformers import PreTrainedTokenizerBase
 
 from pagoda.step import SampledToken
 from pagoda.v1 import generation_pb2 as pb
-from scheduler_svc.beam_search import BeamSearch
 from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.validation import GenerateParams
@@ -41,7 +40,7 @@ class _Done:
 
 
 @dataclass
-class RequestState:
+class ClientStream:
     params: GenerateParams
     samples: list[SampleStream]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -49,10 +48,9 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_info_sent: bool = False
     done: bool = False
-    beam_search: BeamSearch | None = None  # set for beam_width > 1; its beams are the core requests
 
     @classmethod
-    def create(cls, params: GenerateParams, tokenizer: PreTrainedTokenizerBase) -> RequestState:
+    def create(cls, params: GenerateParams, tokenizer: PreTrainedTokenizerBase) -> ClientStream:
         samples = [
             SampleStream(
                 index=i,
@@ -67,9 +65,6 @@ class RequestState:
     @property
     def request_id(self) -> str:
         return self.params.request_id
-
-    def unfinished_core_ids(self) -> list[str]:
-        return [s.core_req_id for s in self.samples if not s.finished]
 
     def on_token(self, sample: SampleStream, sampled: SampledToken, finish_reason: int | None) -> str | None:
         """Emit one token of `sample`. Returns the stop string it completed, if any.
