@@ -29,6 +29,7 @@ def scale_out_reference(hf_reference):
         return [(p, hf_greedy(model, p, SCALE_OUT_TOKENS, ignore_eos=True)) for p in prompts]
 
 
+@pytest.mark.timeout(1800)  # the transformers reference alone is 1,920 tokens one by one
 def test_an_executor_added_under_load_takes_queued_work(scale_out_reference):
     """One executor with --max-num-seqs 4 and 12 requests of 160 tokens at once; a second executor
     joins 2 s later. Bound on arrival, the 8 waiting requests stayed on the first executor; bound late,
