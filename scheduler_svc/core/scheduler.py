@@ -366,7 +366,7 @@ class Scheduler:
                 break
             if request.status is not _RUNNING or request.req_id in self._held:  # preempted in this loop, or held
                 continue
-            if self._only_awaits_result(request):
+            if request.num_output_placeholders and self._only_awaits_result(request):
                 continue
             num_new = min(request.num_tokens_to_compute, budget)
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
@@ -382,8 +382,6 @@ class Scheduler:
         """Nothing to plan until a token in flight is back: a beam lives for one token, and a
         request whose pending tokens reach a length limit is done (planning on would be waste)."""
         pending = request.num_output_placeholders
-        if not pending:
-            return False
         return (
             request.is_beam
             or request.num_output_tokens + pending >= request.max_tokens

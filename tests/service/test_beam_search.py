@@ -225,3 +225,20 @@ def test_beams_restart_on_a_survivor_when_their_executor_dies(reference, hf_refe
         assert_best(collect(messages), expected[:1], tokenizer)
         info = svc.wait_all_blocks_free()
         assert [e.num_free_blocks == e.num_total_blocks for e in info.executors] == [True]
+
+
+def test_without_async_scheduling_beams_and_n_samples_are_the_same(reference, hf_reference):
+    """The representative subset with --no-async-scheduling: beam search (n = 2) and n = 3 seeded samples."""
+    _, tokenizer = hf_reference
+    prompt, expected = reference[CHATS[2]]
+    with Service(scheduler_args=["--no-async-scheduling"], executor_args=["--num-threads", "2"]) as svc:
+        assert_best(collect(svc.stub.Generate(beam_request(prompt, n=2), timeout=300)), expected, tokenizer)
+        sampled = beam_request(prompt)
+        sampled.sampling.beam_width = 1
+        sampled.sampling.n, sampled.sampling.temperature, sampled.sampling.seed = 3, 0.8, 11
+        without = collect(svc.stub.Generate(sampled, timeout=300))["outputs"]
+        assert_all_blocks_free(svc)
+    with Service(executor_args=["--num-threads", "2"]) as svc:  # async scheduling: the same draws
+        with_async = collect(svc.stub.Generate(sampled, timeout=300))["outputs"]
+    assert {i: o["token_ids"] for i, o in without.items()} == {i: o["token_ids"] for i, o in with_async.items()}
+    assert len({tuple(o["token_ids"]) for o in without.values()}) > 1  # the samples differ from each other
