@@ -1,0 +1,132 @@
+"""`AsyncClient`: the asyncio client over grpc.aio (the same behaviour as `Client`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pagoda.client.base import ClientBase
+from pagoda.client.resume import StreamAttempts, unary_retry_wait
+from pagoda.client.types import Chunk, Completion, GenerateParams, ModelInfo, Prompt, ServerInfo, Tokens, Usage
+from pagoda.v1 import generation_pb2 as pb
+from pagoda.v1 import generation_pb2_grpc as pb_grpc
+
+
+class AsyncStream:
+    """`async for chunk in stream`; `usage` is set once it has ended. Cancelling the consuming
+    task, breaking out (then `await stream.aclose()`) or a deadline cancels the request."""
+
+    def __init__(self, client: AsyncClient, state: StreamAttempts):
+        self._client = client
+        self._state = state
+        self._iter = self._run()
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def usage(self) -> Usage | None:
+        return self._state.usage
+
+    @property
+    def num_attempts(self) -> int:
+        return self._state.attempt + 1
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._iter
+
+    async def __anext__(self) -> Chunk:
+        return await self._iter.__anext__()
+
+    async def aclose(self) -> None:
+        await self._iter.aclose()
+
+    async def collect(self) -> Completion:
+        return Completion.join(self.request_id, [c async for c in self], self.usage)
+
+    async def _run(self) -> AsyncIterator[Chunk]:
+        state, client = self._state, self._client
+        while True:
+            call = None
+            try:
+                stub = client._stub(state.target())
+                if state.needs_prompt_ids():
+                    reply = await stub.Tokenize(state.tokenize_request(), timeout=state.timeout(), metadata=client._md)
+                    state.set_prompt_ids(list(reply.token_ids))
+                call = stub.Generate(state.next_request(), timeout=state.timeout(), metadata=client._md)
+                async for msg in call:
+                    for chunk in state.accept(msg):
+                        yield chunk
+                if state.complete():
+                    return
+                wait = state.on_error(None)
+            except grpc.aio.AioRpcError as err:
+                wait = state.on_error(err)
+            finally:
+                if call is not None:
+                    call.cancel()
+            await asyncio.sleep(wait)
+
+
+class AsyncClient(ClientBase):
+    """asyncio Pagoda client; channels open on first use, `await client.close()` (or
+    `async with`) closes them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._channels: dict[int, grpc.aio.Channel] = {}
+        self._stubs: dict[int, pb_grpc.GenerationStub] = {}
+        self._md = self.connection.metadata()
+
+    def _stub(self, index: int) -> pb_grpc.GenerationStub:
+        if index not in self._stubs:
+            self._channels[index] = self.connection.aio_channel(self.targets[index])
+            self._stubs[index] = pb_grpc.GenerationStub(self._channels[index])
+        return self._stubs[index]
+
+    def generate(self, prompt: Prompt, params: GenerateParams | None = None, *, request_id: str | None = None,
+                 timeout: float | None = None, **overrides) -> AsyncStream:
+        return AsyncStream(self, self._stream_state(prompt, None, params, request_id, timeout, overrides))
+
+    def chat(self, messages, params: GenerateParams | None = None, *, request_id: str | None = None,
+             timeout: float | None = None, **overrides) -> AsyncStream:
+        return AsyncStream(self, self._stream_state(None, messages, params, request_id, timeout, overrides))
+
+    async def tokenize(self, text: str | None = None, *, messages=None,
+                       add_generation_prompt: bool | None = None) -> Tokens:
+        reply = await self._unary("Tokenize", self._tokenize_request(text, messages, add_generation_prompt))
+        return Tokens(tuple(reply.token_ids), tuple(reply.tokens))
+
+    async def model_info(self) -> ModelInfo:
+        return ModelInfo.from_proto(await self._unary("GetModelInfo", pb.GetModelInfoRequest()))
+
+    async def server_info(self) -> ServerInfo:
+        return ServerInfo.from_proto(await self._unary("GetServerInfo", pb.GetServerInfoRequest()))
+
+    async def abort(self, *request_ids: str) -> None:
+        await self._unary("Abort", pb.AbortRequest(request_ids=request_ids))
+
+    async def _unary(self, method: str, request, timeout: float | None = None):
+        timeout = timeout or self.timeout
+        for attempt in range(self.retry.max_attempts):
+            index = attempt % len(self.targets)
+            try:
+                return await getattr(self._stub(index), method)(request, timeout=timeout, metadata=self._md)
+            except grpc.aio.AioRpcError as err:
+                await asyncio.sleep(unary_retry_wait(err, attempt, self.retry, len(self.targets)))
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

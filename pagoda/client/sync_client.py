@@ -1,0 +1,132 @@
+"""`Client`: the blocking client over grpcio (the same behaviour as `AsyncClient`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from pagoda.client.base import ClientBase
+from pagoda.client.resume import StreamAttempts, unary_retry_wait
+from pagoda.client.types import Chunk, Completion, GenerateParams, ModelInfo, Prompt, ServerInfo, Tokens, Usage
+from pagoda.v1 import generation_pb2 as pb
+from pagoda.v1 import generation_pb2_grpc as pb_grpc
+
+
+class Stream:
+    """Iterate for `Chunk`s; `usage` is set once the stream has ended. Breaking out of the loop
+    (or `close()`) cancels the request, which frees its KV blocks on the server."""
+
+    def __init__(self, client: Client, state: StreamAttempts):
+        self._client = client
+        self._state = state
+        self._iter = self._run()
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def usage(self) -> Usage | None:
+        return self._state.usage
+
+    @property
+    def num_attempts(self) -> int:
+        return self._state.attempt + 1
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self._iter
+
+    def __next__(self) -> Chunk:
+        return next(self._iter)
+
+    def close(self) -> None:
+        self._iter.close()
+
+    def collect(self) -> Completion:
+        return Completion.join(self.request_id, list(self), self.usage)
+
+    def _run(self) -> Iterator[Chunk]:
+        state, client = self._state, self._client
+        while True:
+            call = None
+            try:
+                stub = client._stub(state.target())
+                if state.needs_prompt_ids():
+                    reply = stub.Tokenize(state.tokenize_request(), timeout=state.timeout(), metadata=client._md)
+                    state.set_prompt_ids(list(reply.token_ids))
+                call = stub.Generate(state.next_request(), timeout=state.timeout(), metadata=client._md)
+                for msg in call:
+                    yield from state.accept(msg)
+                if state.complete():
+                    return
+                wait = state.on_error(None)
+            except grpc.RpcError as err:
+                wait = state.on_error(err)
+            finally:
+                if call is not None:
+                    call.cancel()  # no-op when it ended; frees the request when the caller stopped early
+            time.sleep(wait)
+
+
+class Client(ClientBase):
+    """Blocking Pagoda client. `with Client("127.0.0.1:50051") as c: print(c.generate("Hi").collect().text)`"""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._channels: dict[int, grpc.Channel] = {}
+        self._stubs: dict[int, pb_grpc.GenerationStub] = {}
+        self._md = self.connection.metadata()
+
+    def _stub(self, index: int) -> pb_grpc.GenerationStub:
+        if index not in self._stubs:
+            self._channels[index] = self.connection.channel(self.targets[index])
+            self._stubs[index] = pb_grpc.GenerationStub(self._channels[index])
+        return self._stubs[index]
+
+    def generate(self, prompt: Prompt, params: GenerateParams | None = None, *, request_id: str | None = None,
+                 timeout: float | None = None, **overrides) -> Stream:
+        """Stream a completion of `prompt` (text or token ids); keyword overrides of `params`,
+        e.g. `generate("Hi", max_tokens=16, temperature=0)`."""
+        return Stream(self, self._stream_state(prompt, None, params, request_id, timeout, overrides))
+
+    def chat(self, messages, params: GenerateParams | None = None, *, request_id: str | None = None,
+             timeout: float | None = None, **overrides) -> Stream:
+        """Stream the assistant's answer to `messages` (the model's chat template is applied)."""
+        return Stream(self, self._stream_state(None, messages, params, request_id, timeout, overrides))
+
+    def tokenize(self, text: str | None = None, *, messages=None, add_generation_prompt: bool | None = None) -> Tokens:
+        reply = self._unary("Tokenize", self._tokenize_request(text, messages, add_generation_prompt))
+        return Tokens(tuple(reply.token_ids), tuple(reply.tokens))
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo.from_proto(self._unary("GetModelInfo", pb.GetModelInfoRequest()))
+
+    def server_info(self) -> ServerInfo:
+        return ServerInfo.from_proto(self._unary("GetServerInfo", pb.GetServerInfoRequest()))
+
+    def abort(self, *request_ids: str) -> None:
+        self._unary("Abort", pb.AbortRequest(request_ids=request_ids))
+
+    def _unary(self, method: str, request, timeout: float | None = None):
+        timeout = timeout or self.timeout
+        for attempt in range(self.retry.max_attempts):
+            index = attempt % len(self.targets)
+            try:
+                return getattr(self._stub(index), method)(request, timeout=timeout, metadata=self._md)
+            except grpc.RpcError as err:
+                time.sleep(unary_retry_wait(err, attempt, self.retry, len(self.targets)))
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+        self._stubs.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,276 @@
+"""Typed parameters and results of the client, and their one conversion to and from protobuf.
+
+`GenerateParams` holds every knob of `GenerateRequest` (sampling, stopping, response
+options, priority) as plain Python values; `None` means "the server's default". A stream
+yields `Chunk`s: the text delta of one output index with its token ids, their logprobs and,
+on the last chunk of that index, the finish reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+
+from pagoda.v1 import generation_pb2 as pb
+
+Prompt = str | Sequence[int]
+"""Text (tokenized by the server) or token ids."""
+
+
+class FinishReason(str, enum.Enum):
+    EOS = "eos"
+    STOP_SEQUENCE = "stop_sequence"
+    STOP_TOKEN = "stop_token"
+    LENGTH = "length"
+    ABORTED = "aborted"
+
+    @classmethod
+    def from_proto(cls, value: int) -> FinishReason | None:
+        return _FINISH_FROM_PROTO.get(value)
+
+
+_FINISH_FROM_PROTO = {
+    pb.FINISH_REASON_EOS: FinishReason.EOS,
+    pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
+    pb.FINISH_REASON_STOP_TOKEN: FinishReason.STOP_TOKEN,
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_ABORTED: FinishReason.ABORTED,
+}
+
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "n",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "beam_width",
+)
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """Sampling, stopping and response options of one request (`None`: the server's default)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None  # 0 = greedy; server default 1
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    beam_width: int | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    min_tokens: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
+
+    @classmethod
+    def of(cls, params: GenerateParams | None = None, **overrides) -> GenerateParams:
+        """`params` with `overrides` applied (unknown names raise TypeError)."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown generate parameter(s): {', '.join(sorted(unknown))}")
+        base = {f.name: getattr(params, f.name) for f in fields(cls)} if params else {}
+        return cls(**{**base, **overrides})
+
+    def fill(self, req: pb.GenerateRequest) -> pb.GenerateRequest:
+        """Write these options into `req` (its prompt and request id are left alone)."""
+        for name in _SAMPLING_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(req.sampling, name, value)
+        for token_id, bias in self.logit_bias.items():
+            req.sampling.logit_bias[int(token_id)] = float(bias)
+        stopping = req.stopping
+        if self.max_tokens is not None:
+            stopping.max_tokens = self.max_tokens
+        if self.min_tokens is not None:
+            stopping.min_tokens = self.min_tokens
+        stopping.stop.extend(self.stop)
+        stopping.stop_token_ids.extend(self.stop_token_ids)
+        stopping.ignore_eos = self.ignore_eos
+        stopping.include_stop_str_in_output = self.include_stop_str_in_output
+        req.response.logprobs = self.logprobs
+        req.response.top_logprobs = self.top_logprobs
+        if self.skip_special_tokens is not None:
+            req.response.skip_special_tokens = self.skip_special_tokens
+        if self.priority is not None:
+            req.priority = self.priority
+        return req
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+def chat_messages(messages: Iterable[ChatMessage | Mapping[str, str] | tuple[str, str]]) -> list[pb.ChatMessage]:
+    """Messages given as ChatMessage, {"role", "content"} dicts or (role, content) pairs."""
+    out = []
+    for m in messages:
+        if isinstance(m, ChatMessage):
+            role, content = m.role, m.content
+        elif isinstance(m, Mapping):
+            role, content = m["role"], m["content"]
+        else:
+            role, content = m
+        out.append(pb.ChatMessage(role=role, content=content))
+    return out
+
+
+def build_request(prompt: Prompt | None, chat, params: GenerateParams, request_id: str) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id)
+    if chat is not None:
+        req.chat.messages.extend(chat_messages(chat))
+    elif isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return params.fill(req)
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+    @classmethod
+    def from_proto(cls, msg: pb.TokenLogprob) -> TokenLogprob:
+        return cls(msg.token_id, msg.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in msg.top))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of output index `index`: its text delta, token ids, their logprobs (when asked)
+    and, on the last chunk of that index, the finish reason (and the stop string that matched)."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+
+    @classmethod
+    def from_proto(cls, out: pb.SequenceOutput) -> Chunk:
+        return cls(
+            index=out.index,
+            text=out.text,
+            token_ids=tuple(out.token_ids),
+            logprobs=tuple(TokenLogprob.from_proto(lp) for lp in out.logprobs),
+            finish_reason=FinishReason.from_proto(out.finish_reason),
+            matched_stop=out.matched_stop,
+        )
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class Output:
+    """One output index joined from its chunks."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            self.matched_stop = chunk.matched_stop
+
+
+@dataclass
+class Completion:
+    """A whole stream: outputs by index (0..n-1) and the request's usage."""
+
+    request_id: str
+    outputs: list[Output]
+    usage: Usage | None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+    @classmethod
+    def join(cls, request_id: str, chunks: Iterable[Chunk], usage: Usage | None) -> Completion:
+        by_index: dict[int, Output] = {}
+        for chunk in chunks:
+            by_index.setdefault(chunk.index, Output(chunk.index)).add(chunk)
+        return cls(request_id, [by_index[i] for i in sorted(by_index)], usage)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+
+    @classmethod
+    def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
+        return cls(msg.name, msg.max_model_len, msg.vocab_size, tuple(msg.eos_token_ids), msg.block_size)
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    executor_id: str
+    device: str
+    healthy: bool
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_running: int
+    num_waiting: int
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    version: str
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    executors: tuple[ExecutorInfo, ...]
+
+    @classmethod
+    def from_proto(cls, msg: pb.ServerInfo) -> ServerInfo:
+        executors = tuple(
+            ExecutorInfo(
+                e.executor_id, e.device, e.healthy, e.num_total_blocks, e.num_free_blocks,
+                e.num_cached_blocks, e.num_running, e.num_waiting,
+            )
+            for e in msg.executors
+        )
+        return cls(msg.version, msg.num_running, msg.num_waiting, msg.num_preemptions, executors)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]
