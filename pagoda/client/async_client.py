@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pagoda.client.base import ClientBase
+from pagoda.client.base import HEALTH_REQUEST, SERVING, ClientBase, HealthStub
 from pagoda.client.resume import StreamAttempts, unary_retry_wait
 from pagoda.client.types import Chunk, Completion, GenerateParams, ModelInfo, Prompt, ServerInfo, Tokens, Usage
 from pagoda.v1 import generation_pb2 as pb
@@ -54,9 +54,9 @@ class AsyncStream:
             try:
                 stub = client._stub(state.target())
                 if state.needs_prompt_ids():
-                    reply = await stub.Tokenize(state.tokenize_request(), timeout=state.timeout(), metadata=client._md)
+                    reply = await stub.Tokenize(state.tokenize_request(), timeout=state.timeout(), metadata=state.metadata)
                     state.set_prompt_ids(list(reply.token_ids))
-                call = stub.Generate(state.next_request(), timeout=state.timeout(), metadata=client._md)
+                call = stub.Generate(state.next_request(), timeout=state.timeout(), metadata=state.metadata)
                 async for msg in call:
                     for chunk in state.accept(msg):
                         yield chunk
@@ -79,7 +79,6 @@ class AsyncClient(ClientBase):
         super().__init__(*args, **kwargs)
         self._channels: dict[int, grpc.aio.Channel] = {}
         self._stubs: dict[int, pb_grpc.GenerationStub] = {}
-        self._md = self.connection.metadata()
 
     def _stub(self, index: int) -> pb_grpc.GenerationStub:
         if index not in self._stubs:
@@ -88,33 +87,45 @@ class AsyncClient(ClientBase):
         return self._stubs[index]
 
     def generate(self, prompt: Prompt, params: GenerateParams | None = None, *, request_id: str | None = None,
-                 timeout: float | None = None, **overrides) -> AsyncStream:
-        return AsyncStream(self, self._stream_state(prompt, None, params, request_id, timeout, overrides))
+                 timeout: float | None = None, api_key: str | None = None, **overrides) -> AsyncStream:
+        return AsyncStream(self, self._stream_state(prompt, None, params, request_id, timeout, api_key, overrides))
 
     def chat(self, messages, params: GenerateParams | None = None, *, request_id: str | None = None,
-             timeout: float | None = None, **overrides) -> AsyncStream:
-        return AsyncStream(self, self._stream_state(None, messages, params, request_id, timeout, overrides))
+             timeout: float | None = None, api_key: str | None = None, **overrides) -> AsyncStream:
+        return AsyncStream(self, self._stream_state(None, messages, params, request_id, timeout, api_key, overrides))
 
     async def tokenize(self, text: str | None = None, *, messages=None,
-                       add_generation_prompt: bool | None = None) -> Tokens:
-        reply = await self._unary("Tokenize", self._tokenize_request(text, messages, add_generation_prompt))
+                       add_generation_prompt: bool | None = None, api_key: str | None = None) -> Tokens:
+        reply = await self._unary("Tokenize", self._tokenize_request(text, messages, add_generation_prompt), api_key)
         return Tokens(tuple(reply.token_ids), tuple(reply.tokens))
 
-    async def model_info(self) -> ModelInfo:
-        return ModelInfo.from_proto(await self._unary("GetModelInfo", pb.GetModelInfoRequest()))
+    async def model_info(self, api_key: str | None = None) -> ModelInfo:
+        return ModelInfo.from_proto(await self._unary("GetModelInfo", pb.GetModelInfoRequest(), api_key))
 
-    async def server_info(self) -> ServerInfo:
-        return ServerInfo.from_proto(await self._unary("GetServerInfo", pb.GetServerInfoRequest()))
+    async def server_info(self, api_key: str | None = None) -> ServerInfo:
+        return ServerInfo.from_proto(await self._unary("GetServerInfo", pb.GetServerInfoRequest(), api_key))
 
-    async def abort(self, *request_ids: str) -> None:
-        await self._unary("Abort", pb.AbortRequest(request_ids=request_ids))
+    async def health(self, timeout: float = 3.0) -> bool:
+        """Whether some address reports `pagoda.v1.Generation` SERVING (grpc.health.v1)."""
+        for index in range(len(self.targets)):
+            self._stub(index)
+            try:
+                reply = await HealthStub(self._channels[index]).Check(HEALTH_REQUEST, timeout=timeout)
+                if reply.status == SERVING:
+                    return True
+            except grpc.aio.AioRpcError:
+                continue
+        return False
 
-    async def _unary(self, method: str, request, timeout: float | None = None):
-        timeout = timeout or self.timeout
+    async def abort(self, *request_ids: str, api_key: str | None = None) -> None:
+        await self._unary("Abort", pb.AbortRequest(request_ids=request_ids), api_key)
+
+    async def _unary(self, method: str, request, api_key: str | None = None, timeout: float | None = None):
+        timeout, metadata = timeout or self.timeout, self._metadata(api_key)
         for attempt in range(self.retry.max_attempts):
             index = attempt % len(self.targets)
             try:
-                return await getattr(self._stub(index), method)(request, timeout=timeout, metadata=self._md)
+                return await getattr(self._stub(index), method)(request, timeout=timeout, metadata=metadata)
             except grpc.aio.AioRpcError as err:
                 await asyncio.sleep(unary_retry_wait(err, attempt, self.retry, len(self.targets)))
         raise AssertionError("unreachable")

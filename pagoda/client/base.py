@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import uuid
 
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health_pb2_grpc import HealthStub
+
 from pagoda.client.connection import Connection, RetryPolicy, TLSConfig, parse_targets
 from pagoda.client.resume import StreamAttempts, auto_seed
 from pagoda.client.types import GenerateParams, Prompt, build_request, chat_messages
 from pagoda.v1 import generation_pb2 as pb
+
+HEALTH_REQUEST = health_pb2.HealthCheckRequest(service="pagoda.v1.Generation")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+__all__ = ["HEALTH_REQUEST", "SERVING", "ClientBase", "HealthStub"]
 
 
 class ClientBase:
@@ -32,13 +39,19 @@ class ClientBase:
     def targets(self) -> tuple[str, ...]:
         return self.connection.targets
 
+    def _metadata(self, api_key: str | None) -> tuple[tuple[str, str], ...]:
+        """Call metadata: the client's API key, or `api_key` for this call (a gateway passing
+        its caller's key through)."""
+        return self.connection.metadata(api_key)
+
     def _stream_state(self, prompt: Prompt | None, chat, params: GenerateParams | None, request_id: str | None,
-                      timeout: float | None, overrides: dict) -> StreamAttempts:
+                      timeout: float | None, api_key: str | None, overrides: dict) -> StreamAttempts:
         params = GenerateParams.of(params, **overrides)
         req = build_request(prompt, chat, params, request_id or uuid.uuid4().hex)
         if self.resume and self.auto_seed:
             auto_seed(req)
-        return StreamAttempts(req, self.retry, len(self.targets), timeout or self.timeout, self.resume)
+        return StreamAttempts(req, self.retry, len(self.targets), timeout or self.timeout, self.resume,
+                              self._metadata(api_key))
 
     @staticmethod
     def _tokenize_request(text: str | None, messages, add_generation_prompt: bool | None) -> pb.TokenizeRequest:

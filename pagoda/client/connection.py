@@ -79,8 +79,9 @@ class Connection:
     api_key: str | None = None
     tls: TLSConfig | None = None
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+    def metadata(self, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+        key = api_key or self.api_key
+        return (("authorization", f"Bearer {key}"),) if key else ()
 
     def _options(self) -> list[tuple[str, object]]:
         options = list(_CHANNEL_OPTIONS)

@@ -66,8 +66,9 @@ class StreamAttempts:
     """The state of one stream across attempts; see the module docstring."""
 
     def __init__(self, request: pb.GenerateRequest, policy: RetryPolicy, num_targets: int,
-                 timeout: float | None, resume: bool):
+                 timeout: float | None, resume: bool, metadata: tuple[tuple[str, str], ...] = ()):
         self.request = request
+        self.metadata = metadata
         self.request_id = request.request_id
         self.policy = policy
         self.num_targets = num_targets

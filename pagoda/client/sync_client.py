@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from pagoda.client.base import ClientBase
+from pagoda.client.base import HEALTH_REQUEST, SERVING, ClientBase, HealthStub
 from pagoda.client.resume import StreamAttempts, unary_retry_wait
 from pagoda.client.types import Chunk, Completion, GenerateParams, ModelInfo, Prompt, ServerInfo, Tokens, Usage
 from pagoda.v1 import generation_pb2 as pb
@@ -54,9 +54,9 @@ class Stream:
             try:
                 stub = client._stub(state.target())
                 if state.needs_prompt_ids():
-                    reply = stub.Tokenize(state.tokenize_request(), timeout=state.timeout(), metadata=client._md)
+                    reply = stub.Tokenize(state.tokenize_request(), timeout=state.timeout(), metadata=state.metadata)
                     state.set_prompt_ids(list(reply.token_ids))
-                call = stub.Generate(state.next_request(), timeout=state.timeout(), metadata=client._md)
+                call = stub.Generate(state.next_request(), timeout=state.timeout(), metadata=state.metadata)
                 for msg in call:
                     yield from state.accept(msg)
                 if state.complete():
@@ -77,7 +77,6 @@ class Client(ClientBase):
         super().__init__(*args, **kwargs)
         self._channels: dict[int, grpc.Channel] = {}
         self._stubs: dict[int, pb_grpc.GenerationStub] = {}
-        self._md = self.connection.metadata()
 
     def _stub(self, index: int) -> pb_grpc.GenerationStub:
         if index not in self._stubs:
@@ -86,35 +85,47 @@ class Client(ClientBase):
         return self._stubs[index]
 
     def generate(self, prompt: Prompt, params: GenerateParams | None = None, *, request_id: str | None = None,
-                 timeout: float | None = None, **overrides) -> Stream:
+                 timeout: float | None = None, api_key: str | None = None, **overrides) -> Stream:
         """Stream a completion of `prompt` (text or token ids); keyword overrides of `params`,
         e.g. `generate("Hi", max_tokens=16, temperature=0)`."""
-        return Stream(self, self._stream_state(prompt, None, params, request_id, timeout, overrides))
+        return Stream(self, self._stream_state(prompt, None, params, request_id, timeout, api_key, overrides))
 
     def chat(self, messages, params: GenerateParams | None = None, *, request_id: str | None = None,
-             timeout: float | None = None, **overrides) -> Stream:
+             timeout: float | None = None, api_key: str | None = None, **overrides) -> Stream:
         """Stream the assistant's answer to `messages` (the model's chat template is applied)."""
-        return Stream(self, self._stream_state(None, messages, params, request_id, timeout, overrides))
+        return Stream(self, self._stream_state(None, messages, params, request_id, timeout, api_key, overrides))
 
-    def tokenize(self, text: str | None = None, *, messages=None, add_generation_prompt: bool | None = None) -> Tokens:
-        reply = self._unary("Tokenize", self._tokenize_request(text, messages, add_generation_prompt))
+    def tokenize(self, text: str | None = None, *, messages=None, add_generation_prompt: bool | None = None,
+                 api_key: str | None = None) -> Tokens:
+        reply = self._unary("Tokenize", self._tokenize_request(text, messages, add_generation_prompt), api_key)
         return Tokens(tuple(reply.token_ids), tuple(reply.tokens))
 
-    def model_info(self) -> ModelInfo:
-        return ModelInfo.from_proto(self._unary("GetModelInfo", pb.GetModelInfoRequest()))
+    def model_info(self, api_key: str | None = None) -> ModelInfo:
+        return ModelInfo.from_proto(self._unary("GetModelInfo", pb.GetModelInfoRequest(), api_key))
 
-    def server_info(self) -> ServerInfo:
-        return ServerInfo.from_proto(self._unary("GetServerInfo", pb.GetServerInfoRequest()))
+    def server_info(self, api_key: str | None = None) -> ServerInfo:
+        return ServerInfo.from_proto(self._unary("GetServerInfo", pb.GetServerInfoRequest(), api_key))
 
-    def abort(self, *request_ids: str) -> None:
-        self._unary("Abort", pb.AbortRequest(request_ids=request_ids))
+    def health(self, timeout: float = 3.0) -> bool:
+        """Whether some address reports `pagoda.v1.Generation` SERVING (grpc.health.v1)."""
+        for index in range(len(self.targets)):
+            self._stub(index)
+            try:
+                if HealthStub(self._channels[index]).Check(HEALTH_REQUEST, timeout=timeout).status == SERVING:
+                    return True
+            except grpc.RpcError:
+                continue
+        return False
 
-    def _unary(self, method: str, request, timeout: float | None = None):
-        timeout = timeout or self.timeout
+    def abort(self, *request_ids: str, api_key: str | None = None) -> None:
+        self._unary("Abort", pb.AbortRequest(request_ids=request_ids), api_key)
+
+    def _unary(self, method: str, request, api_key: str | None = None, timeout: float | None = None):
+        timeout, metadata = timeout or self.timeout, self._metadata(api_key)
         for attempt in range(self.retry.max_attempts):
             index = attempt % len(self.targets)
             try:
-                return getattr(self._stub(index), method)(request, timeout=timeout, metadata=self._md)
+                return getattr(self._stub(index), method)(request, timeout=timeout, metadata=metadata)
             except grpc.RpcError as err:
                 time.sleep(unary_retry_wait(err, attempt, self.retry, len(self.targets)))
         raise AssertionError("unreachable")

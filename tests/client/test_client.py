@@ -131,3 +131,10 @@ def test_async_client_streams_what_the_sync_client_streams(svc, client):
     assert "".join(c.text for c in chunks) == expected.text
     assert usage.prompt_tokens == len(tokens.token_ids) == expected.usage.prompt_tokens
     assert info.name == client.model_info().name
+
+
+def test_health_is_serving_and_a_dead_address_is_not(svc):
+    with Client(target(svc)) as c:
+        assert c.health()
+    with Client(f"127.0.0.1:{free_port()}") as c:
+        assert not c.health(timeout=0.5)

@@ -16,11 +16,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from pagoda.client import Client, RetryPolicy, TLSConfig, Unauthenticated, Unavailable
-from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
+from tests.client.keyed_server import KEY, KeyedServicer
 from tests.service.harness import free_port
 
-KEY = "s3cret-key"
 
 
 def _cert(name: str, issuer_key=None, issuer_name=None, ca=False):
@@ -61,30 +60,11 @@ def pki(tmp_path_factory):
     return {name: str(d / f"{name}.pem") for name in files} | {"bytes": files}
 
 
-class _KeyedServicer(pb_grpc.GenerationServicer):
-    """Answers like a scheduler started with --api-key: UNAUTHENTICATED without the bearer key."""
-
-    def _check(self, context):
-        if dict(context.invocation_metadata()).get("authorization") != f"Bearer {KEY}":
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong API key")
-
-    def GetModelInfo(self, request, context):
-        self._check(context)
-        return pb.ModelInfo(name="keyed", vocab_size=3)
-
-    def Generate(self, request, context):
-        self._check(context)
-        yield pb.GenerateResponse(outputs=[pb.SequenceOutput(index=0, token_ids=[1], text="ok")])
-        yield pb.GenerateResponse(outputs=[pb.SequenceOutput(index=0, token_ids=[2], text="!",
-                                                             finish_reason=pb.FINISH_REASON_LENGTH)],
-                                  usage=pb.Usage(prompt_tokens=1, completion_tokens=2))
-
-
 @pytest.fixture(scope="module")
 def mtls_server(pki):
     files = pki["bytes"]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_GenerationServicer_to_server(_KeyedServicer(), server)
+    pb_grpc.add_GenerationServicer_to_server(KeyedServicer(), server)
     creds = grpc.ssl_server_credentials([(files["server_key"], files["server"])], root_certificates=files["ca"],
                                         require_client_auth=True)
     port = server.add_secure_port(f"127.0.0.1:{free_port()}", creds)

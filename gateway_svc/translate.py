@@ -1,0 +1,175 @@
+"""OpenAI requests to `GenerateParams`, and Pagoda chunks to OpenAI's response objects.
+
+Token strings in logprobs: the gRPC API returns token ids with each text delta, not the
+tokens' own strings. A chunk of one token gives that token's text; otherwise, and for the
+top alternatives, a token is written as `token_id:<id>` (vLLM's `return_tokens_as_token_ids`
+form), which a client can map back to its tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway_svc.errors import GatewayError
+from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from pagoda.client import Chunk, FinishReason, GenerateParams, TokenLogprob, Usage
+
+_UINT64 = (1 << 64) - 1
+
+FINISH = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.STOP_TOKEN: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORTED: "stop",
+}
+
+
+def _common(req: _Sampling, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> GenerateParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    except ValueError:
+        raise GatewayError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+    return GenerateParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=None if req.seed is None else req.seed & _UINT64,
+        n=req.n,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=bias,
+        min_tokens=req.min_tokens,
+        stop=stop,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def completion_params(req: CompletionRequest) -> GenerateParams:
+    if req.echo:
+        raise GatewayError(400, "echo: not supported", param="echo")
+    if req.suffix:
+        raise GatewayError(400, "suffix: not supported", param="suffix")
+    if req.best_of not in (None, req.n):
+        raise GatewayError(400, "best_of: only best_of = n is supported", param="best_of")
+    logprobs = req.logprobs is not None
+    return _common(req, req.max_tokens, logprobs, req.logprobs or 0)
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """A prompt, a list of prompts, token ids, or a list of token-id lists."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]
+    if not p:
+        raise GatewayError(400, "prompt: must not be empty", param="prompt")
+    return list(p)
+
+
+def chat_params(req: ChatCompletionRequest) -> GenerateParams:
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if req.top_logprobs and not req.logprobs:
+        raise GatewayError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    return _common(req, max_tokens, req.logprobs, req.top_logprobs or 0)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages with text content; content parts of type "text" are joined."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise GatewayError(400, f"messages.{i}.content: only text parts are supported",
+                                       param=f"messages.{i}.content")
+                parts.append(part.get("text", ""))
+            content = "".join(parts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def usage_json(usages: list[Usage | None]) -> dict:
+    prompt = sum(u.prompt_tokens for u in usages if u)
+    completion = sum(u.completion_tokens for u in usages if u)
+    cached = sum(u.cached_prompt_tokens for u in usages if u)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# -- logprobs ----------------------------------------------------------------------
+
+
+def _token_str(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+@dataclass
+class TokenEntry:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+def token_entries(chunk: Chunk) -> list[TokenEntry]:
+    """The chunk's tokens with their strings (see the module docstring) and logprobs."""
+    single = len(chunk.token_ids) == 1 and chunk.text
+
+    def name(token_id: int) -> str:
+        return chunk.text if single and token_id == chunk.token_ids[0] else _token_str(token_id)
+
+    def entry(lp: TokenLogprob) -> TokenEntry:
+        return TokenEntry(name(lp.token_id), lp.logprob, [(name(t.token_id), t.logprob) for t in lp.top])
+
+    return [entry(lp) for lp in chunk.logprobs]
+
+
+def _bytes(token: str) -> list[int] | None:
+    return None if token.startswith("token_id:") else list(token.encode())
+
+
+def chat_logprobs(entries: list[TokenEntry]) -> dict:
+    return {"content": [
+        {"token": e.token, "logprob": e.logprob, "bytes": _bytes(e.token),
+         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, lp in e.top]}
+        for e in entries
+    ]}
+
+
+def completion_logprobs(entries: list[TokenEntry], text_offset: int) -> dict:
+    offsets, offset = [], text_offset
+    for e in entries:
+        offsets.append(offset)
+        offset += 0 if e.token.startswith("token_id:") else len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class Choice:
+    """One choice of a non-streamed response, joined from its chunks."""
+
+    index: int
+    text: str = ""
+    entries: list[TokenEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, chunk: Chunk, logprobs: bool) -> None:
+        self.text += chunk.text
+        if logprobs:
+            self.entries.extend(token_entries(chunk))
+        if chunk.finish_reason is not None:
+            self.finish_reason = FINISH[chunk.finish_reason]
