@@ -1,0 +1,119 @@
+"""deploy/k8s: every overlay renders with `kubectl kustomize` and validates against the
+Kubernetes schemas (kubernetes-validate, strict: unknown fields are errors), and has the
+pieces a deployment relies on (probes, the link Service, the Secret, the PDB, GPUs)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.service.harness import ROOT
+
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.32.0"
+KUBECTL = shutil.which("kubectl")
+
+pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed (the machine image has it)")
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """A copy of deploy/k8s with a cluster secret made as the README says (make-secret.sh)."""
+    copy = tmp_path_factory.mktemp("k8s") / "k8s"
+    shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("cluster-secret"))
+    subprocess.run([str(copy / "make-secret.sh")], check=True, capture_output=True)
+    return copy
+
+
+def render(tree, overlay: str) -> list[dict]:
+    out = subprocess.run([KUBECTL, "kustomize", str(tree / "overlays" / overlay)], check=True, capture_output=True,
+                         text=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind_name(docs: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def container(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def env(deployment: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container(deployment).get("env", [])}
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "cpu-gateway"])
+def test_overlay_renders_and_validates_against_the_kubernetes_schemas(tree, overlay):
+    docs = render(tree, overlay)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    objects = by_kind_name(docs)
+    assert {("Deployment", "pagoda-scheduler"), ("Deployment", "pagoda-executor"), ("Service", "pagoda-scheduler"),
+            ("Service", "pagoda-scheduler-link"), ("PodDisruptionBudget", "pagoda-executor")} <= set(objects)
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    for service in (d for d in docs if d["kind"] == "Service"):
+        selector = service["spec"]["selector"].items()
+        assert any(selector <= d["spec"]["template"]["metadata"]["labels"].items() for d in deployments), \
+            f"Service {service['metadata']['name']} selects no pods"
+    for d in deployments:
+        c = container(d)
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+        assert d["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_scheduler_has_grpc_probes_and_executors_reach_it_before_it_is_ready(tree):
+    objects = by_kind_name(render(tree, "cpu"))
+    scheduler = objects[("Deployment", "pagoda-scheduler")]
+    assert scheduler["spec"]["replicas"] == 1 and scheduler["spec"]["strategy"]["type"] == "Recreate"
+    c = container(scheduler)
+    assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": "pagoda.v1.Generation"}
+    assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}
+    link = objects[("Service", "pagoda-scheduler-link")]
+    assert link["spec"]["publishNotReadyAddresses"] is True
+    executor = objects[("Deployment", "pagoda-executor")]
+    assert env(executor)["PAGODA_SCHEDULER"] == "tcp://pagoda-scheduler-link:5557"
+    assert env(scheduler)["PAGODA_EXECUTOR_BIND"] == "tcp://0.0.0.0:5557"
+    pdb = objects[("PodDisruptionBudget", "pagoda-executor")]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= \
+        executor["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_both_services_mount_the_generated_cluster_secret(tree):
+    docs = render(tree, "cpu")
+    secrets = [d for d in docs if d["kind"] == "Secret"]
+    assert len(secrets) == 1 and secrets[0]["metadata"]["name"].startswith("pagoda-cluster-secret-")
+    for name in ("pagoda-scheduler", "pagoda-executor"):
+        d = by_kind_name(docs)[("Deployment", name)]
+        volumes = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["cluster-secret"]["secret"]["secretName"] == secrets[0]["metadata"]["name"]
+        assert env(d)["PAGODA_CLUSTER_SECRET_FILE"].startswith("/etc/pagoda/cluster-secret/")
+
+
+def test_a_missing_cluster_secret_fails_the_render_instead_of_deploying_a_known_one(tmp_path):
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("cluster-secret"))
+    run = subprocess.run([KUBECTL, "kustomize", str(copy / "overlays" / "cpu")], capture_output=True, text=True)
+    assert run.returncode != 0 and "cluster-secret" in run.stderr
+
+
+def test_gpu_overlay_runs_cuda_executors_with_one_gpu_each(tree):
+    objects = by_kind_name(render(tree, "gpu"))
+    executor = objects[("Deployment", "pagoda-executor")]
+    c = container(executor)
+    assert c["image"] == "pagoda:cuda" and env(executor)["PAGODA_DEVICE"] == "cuda"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container(objects[("Deployment", "pagoda-scheduler")])["image"] == "pagoda:cpu"
+
+
+def test_gateway_component_targets_the_scheduler_service(tree):
+    objects = by_kind_name(render(tree, "cpu-gateway"))
+    gateway = objects[("Deployment", "pagoda-gateway")]
+    assert container(gateway)["command"] == ["python", "-m", "gateway_svc"]
+    assert env(gateway)["PAGODA_TARGET"] == "pagoda-scheduler:50051"
+    assert container(gateway)["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert ("Service", "pagoda-gateway") in objects
