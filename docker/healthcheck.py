@@ -1,7 +1,8 @@
-"""Exit 0 when the scheduler's gRPC health service reports SERVING, else 1.
+"""Exit 0 when the scheduler's gRPC health service reports SERVING (or, with --http, when the
+gateway's /health answers 200), else 1.
 
-Usage: python docker/healthcheck.py [HOST:PORT] [--service NAME] [--timeout SECONDS]
-Defaults: the local scheduler at PAGODA_HOST/PAGODA_PORT (0.0.0.0 and :: are probed as
+Usage: python docker/healthcheck.py [HOST:PORT] [--service NAME] [--timeout SECONDS] [--http]
+Defaults: the local service at PAGODA_HOST/PAGODA_PORT (0.0.0.0 and :: are probed as
 127.0.0.1), service "pagoda.v1.Generation" (SERVING once an executor is registered).
 Only grpcio and grpcio-health-checking are needed: no grpc_health_probe binary.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import urllib.error
+import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,12 +26,25 @@ def default_target() -> str:
     return f"{host}:{os.environ.get('PAGODA_PORT', '50051')}"
 
 
+def http_check(url: str, timeout: float) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            print(f"{url}: {reply.status}")
+            return 0 if reply.status == 200 else 1
+    except (OSError, urllib.error.URLError) as err:
+        print(f"{url}: {err}")
+        return 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target", nargs="?", default=default_target())
     parser.add_argument("--service", default=os.environ.get("PAGODA_HEALTH_SERVICE", "pagoda.v1.Generation"))
     parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--http", action="store_true", help="probe http://HOST:PORT/health (the gateway)")
     args = parser.parse_args()
+    if args.http:
+        return http_check(f"http://{args.target}/health", args.timeout)
     with grpc.insecure_channel(args.target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
