@@ -4,6 +4,7 @@
     python docker/compose_client.py stream   --target ... [--max-tokens 32]
     python docker/compose_client.py failover --target ... --streams 6 --max-tokens 48 \
         --kill-project pagoda-compose-test --executors-after 2
+    python docker/compose_client.py gateway  --target ... --gateway http://127.0.0.1:8000
 
 Stubs: the repository's pagoda/v1 (`make protos`); when those are missing they are generated from
 protos/ into a temporary folder. Every line of output starts with "client:"; the last line of
@@ -294,9 +295,42 @@ def cmd_failover(args, channel, stub) -> int:
     return 0 if ok else 1
 
 
+def cmd_gateway(args, channel, stub) -> int:
+    """The gateway's greedy chat answer (openai package, streamed and not) equals the gRPC API's."""
+    import openai
+
+    deadline = time.monotonic() + args.timeout
+    oai = openai.OpenAI(base_url=f"{args.gateway}/v1", api_key="compose", max_retries=0, timeout=args.timeout)
+    while True:
+        try:
+            models = [m.id for m in oai.models.list().data]
+            break
+        except openai.APIError as err:
+            if time.monotonic() > deadline:
+                say(f"SUMMARY gateway: FAIL not reachable: {err}")
+                return 1
+            time.sleep(1.0)
+    messages = [{"role": "user", "content": args.prompt}]
+    res = StreamResult(prompt=args.prompt, request_id=f"compose-gw-{uuid.uuid4().hex[:8]}", max_tokens=args.max_tokens)
+    run_stream(stub, res, args.timeout, notify_after=1)
+    reply = oai.chat.completions.create(model=models[0], messages=messages, max_tokens=args.max_tokens, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    streamed = "".join(
+        e.choices[0].delta.content or "" for e in oai.chat.completions.create(
+            model=models[0], messages=messages, max_tokens=args.max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if e.choices)
+    text = reply.choices[0].message.content
+    ok = text == res.text == streamed and not res.error
+    say(f"gateway: models {models}; answer {text[:120]!r}")
+    say(f"SUMMARY gateway: {'PASS' if ok else 'FAIL'} /v1/chat/completions (openai package, streamed and not) "
+        f"{'equals' if ok else 'differs from'} the gRPC API's greedy answer ({reply.usage.completion_tokens} tokens)")
+    return 0 if ok else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["wait", "stream", "failover"])
+    parser.add_argument("command", choices=["wait", "stream", "failover", "gateway"])
+    parser.add_argument("--gateway", default="http://127.0.0.1:8000", help="gateway: its base URL")
     parser.add_argument("--target", default=f"127.0.0.1:{os.environ.get('PAGODA_PORT', '50051')}")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--executors", type=int, default=1, help="wait: this many healthy executors")
@@ -316,7 +350,8 @@ def main() -> int:
     args = parser.parse_args()
     with grpc.insecure_channel(args.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        return {"wait": cmd_wait, "stream": cmd_stream, "failover": cmd_failover}[args.command](args, channel, stub)
+        return {"wait": cmd_wait, "stream": cmd_stream, "failover": cmd_failover,
+                "gateway": cmd_gateway}[args.command](args, channel, stub)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# End-to-end test of the compose deployment on this machine (`make compose-test`; not run in CI):
-#   1. start dockerd when none answers; make the Debian base image (debootstrap + docker import)
-#      when no base image is given; build pagoda:cpu with `docker build`
-#   2. docker compose up: scheduler + 2 executors, host networking (compose.host.yaml)
-#   3. wait for grpc.health.v1 SERVING (container health check and host client), stream a request
-#   4. scale to 3 executors, start several streams, `docker kill` one executor mid-stream, check
-#      that every stream completes with all its tokens
+# End-to-end test of the compose deployment on this machine (`make compose-test`; not run in CI),
+# with the README's commands:
+#   1. start dockerd when none answers; `make images` (base image by debootstrap + docker import
+#      when none is given, then pagoda:cpu); rebuild after regenerating the gRPC stubs: the
+#      image must come out the same (the stubs are not part of the build context)
+#   2. up: scheduler + 2 executors + gateway, host networking (docker/compose_host.sh)
+#   3. wait for grpc.health.v1 SERVING (container health check and host client), stream a request,
+#      ask the gateway with the `openai` package
+#   4. scale to 3 executors with the README's command *in another environment*: the scheduler
+#      and the running executors must not be recreated; then several streams, `docker kill` one
+#      executor mid-stream, check that every stream completes with all its tokens
 #   5. docker compose down (the model-cache volume is kept; KEEP_STACK=1 leaves the stack up)
 #
 # Env:
 #   PAGODA_BASE_IMAGE   base for pagoda:cpu (default pagoda-base:bookworm, made here when missing;
 #                       python:3.11-slim-bookworm where Docker Hub is reachable)
 #   SKIP_BUILD=1        use the existing pagoda:cpu image
-#   NETWORK=bridge      use the compose network + published port instead of host networking
-#   PAGODA_PORT, PAGODA_EXECUTOR_PORT, PAGODA_METRICS_PORT
+#   NETWORK=bridge      use the compose network + published ports instead of host networking
+#   PAGODA_PORT, PAGODA_EXECUTOR_PORT, PAGODA_METRICS_PORT, PAGODA_GATEWAY_PORT
 #                       ports (default: free ports picked here; host networking shares the host's)
 #   STREAMS (6), MAX_TOKENS (48), THREADS (1 torch thread per executor), KEEP_STACK=1
 set -euo pipefail
@@ -44,16 +48,20 @@ log "compose: $("${COMPOSE[@]}" version | head -1)"
 
 export PAGODA_BASE_IMAGE=${PAGODA_BASE_IMAGE:-pagoda-base:bookworm}
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  if [ "$PAGODA_BASE_IMAGE" = pagoda-base:bookworm ]; then
-    s=$(date +%s); docker/make_base_image.sh "$PAGODA_BASE_IMAGE" | tail -n 3
-    record "base image: $PAGODA_BASE_IMAGE ready in $(( $(date +%s) - s ))s (debootstrap + docker import; kept between runs)"
-  fi
   s=$(date +%s)
-  if ! VARIANTS=cpu docker/build_images.sh >/tmp/pagoda-compose-build.log 2>&1; then
-    tail -n 40 /tmp/pagoda-compose-build.log; echo "image build failed (log /tmp/pagoda-compose-build.log)" >&2; exit 1
+  if ! make images >/tmp/pagoda-compose-build.log 2>&1; then
+    tail -n 40 /tmp/pagoda-compose-build.log; echo "make images failed (log /tmp/pagoda-compose-build.log)" >&2; exit 1
   fi
   grep -h 'verify_env ok' /tmp/pagoda-compose-build.log | sed 's/^/    /' || true
-  record "build: pagoda:cpu built in $(( $(date +%s) - s ))s, $(docker image inspect pagoda:cpu --format '{{.Size}}' | awk '{printf "%.2f GB", $1/1e9}')"
+  image=$(docker image inspect pagoda:cpu --format '{{.Id}}')
+  record "build: make images in $(( $(date +%s) - s ))s, pagoda:cpu $(docker image inspect pagoda:cpu --format '{{.Size}}' | awk '{printf "%.2f GB", $1/1e9}')"
+  # Regenerated stubs (new files, new times) must not change the build context.
+  touch pagoda/v1/*.py pagoda/v1/*.pyi pagoda/v1/.generated 2>/dev/null || true
+  "$PY" -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/pagoda/v1/*.proto
+  VARIANTS=cpu docker/build_images.sh >>/tmp/pagoda-compose-build.log 2>&1
+  again=$(docker image inspect pagoda:cpu --format '{{.Id}}')
+  [ "$image" = "$again" ] || { log "rebuild after regenerating stubs gave a new image: $image -> $again"; exit 1; }
+  record "rebuild: regenerated stubs leave the image as it was (${image:7:12})"
 fi
 export PAGODA_IMAGE=pagoda:cpu
 
@@ -65,26 +73,14 @@ export PAGODA_METRICS_PORT=${PAGODA_METRICS_PORT:-$(free_port)}
 export PAGODA_PUBLISH=$PAGODA_PORT
 export PAGODA_NUM_THREADS=${THREADS:-1}           # 2 cores shared by 3 executors
 export PAGODA_KV_CACHE_MEMORY_GB=${PAGODA_KV_CACHE_MEMORY_GB:-0.25}
-FILES=(-f compose.yaml)
+export PAGODA_GATEWAY_PORT=${PAGODA_GATEWAY_PORT:-$(free_port)}
+export PAGODA_GATEWAY_PUBLISH=$PAGODA_GATEWAY_PORT
 if [ "$NETWORK" = host ]; then
-  # compose.yaml publishes the gRPC port; compose v1 (docker-py) refuses published ports with
-  # network_mode: host and an override cannot remove list entries, so render the merged
-  # configuration and drop `ports` from the host-network services.
-  RENDERED=$(mktemp /tmp/pagoda-compose-host.XXXXXX.yaml)
-  "${COMPOSE[@]}" -f compose.yaml -f compose.host.yaml config >"$RENDERED.in"
-  "$PY" - "$RENDERED.in" "$RENDERED" <<'PY'
-import sys, yaml
-doc = yaml.safe_load(open(sys.argv[1]))
-for svc in doc.get("services", {}).values():
-    if svc.get("network_mode") == "host":
-        svc.pop("ports", None)
-        svc.pop("expose", None)
-yaml.safe_dump(doc, open(sys.argv[2], "w"), sort_keys=False)
-PY
-  rm -f "$RENDERED.in"
-  FILES=(--project-directory "$ROOT" -f "$RENDERED")
+  # renders compose.yaml + compose.host.yaml for compose v1
+  DC=(env COMPOSE="${COMPOSE[*]}" docker/compose_host.sh -p "$PROJECT")
+else
+  DC=("${COMPOSE[@]}" -p "$PROJECT")
 fi
-DC=("${COMPOSE[@]}" -p "$PROJECT" "${FILES[@]}")
 TARGET=127.0.0.1:$PAGODA_PORT
 
 dump_logs() {
@@ -98,7 +94,6 @@ cleanup() {
     log "KEEP_STACK=1: stack left up (${DC[*]} down to stop it)"
   else
     "${DC[@]}" down --remove-orphans -t 5 >/dev/null 2>&1 || true
-    [ -n "${RENDERED:-}" ] && rm -f "$RENDERED"
   fi
   echo
   echo "==================== compose-test summary ===================="
@@ -110,8 +105,8 @@ cleanup() {
 trap cleanup EXIT
 
 "${DC[@]}" down --remove-orphans -t 5 >/dev/null 2>&1 || true
-log "up: scheduler + 2 executors ($NETWORK networking, gRPC $TARGET, executors on :$PAGODA_EXECUTOR_PORT)"
-"${DC[@]}" up -d --no-build --scale executor=2 2>&1 | sed 's/^/    /'
+log "up: scheduler + 2 executors + gateway ($NETWORK networking, gRPC $TARGET, executors on :$PAGODA_EXECUTOR_PORT, gateway :$PAGODA_GATEWAY_PORT)"
+"${DC[@]}" up -d --scale executor=2 2>&1 | sed 's/^/    /'
 
 container_of() { docker ps -q --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=$1"; }
 s=$(date +%s)
@@ -130,11 +125,23 @@ out=$("$PY" docker/compose_client.py stream --target "$TARGET" --max-tokens 32 -
 echo "$out" | sed 's/^/    /'
 record "stream: $(echo "$out" | grep 'client: stream:' | head -1 | sed 's/client: stream: //')"
 
-# --- 4. scale to three, kill one mid-stream -----------------------------------------------------
+# --- gateway: the OpenAI API in front of the scheduler -------------------------------------------
+out=$("$PY" docker/compose_client.py gateway --target "$TARGET" --gateway "http://127.0.0.1:$PAGODA_GATEWAY_PORT" \
+  --timeout 180) || { echo "$out"; exit 1; }
+echo "$out" | sed 's/^/    /'
+record "gateway: $(echo "$out" | grep 'SUMMARY' | sed 's/client: SUMMARY //')"
+
+# --- 4. scale to three (README's command, another environment), kill one mid-stream --------------
+ids() { docker ps -q --no-trunc --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=$1" | sort; }
+scheduler_before=$(ids scheduler); executors_before=$(ids executor)
 s=$(date +%s)
-"${DC[@]}" up -d --no-build --no-recreate --scale executor=3 2>&1 | sed 's/^/    /'
+env -u PAGODA_KV_CACHE_MEMORY_GB PAGODA_LOG_LEVEL=DEBUG PAGODA_BASE_IMAGE=some-other-base:tag \
+  "${DC[@]}" up -d --no-deps --no-recreate --scale executor=3 executor 2>&1 | sed 's/^/    /'
 "$PY" docker/compose_client.py wait --target "$TARGET" --executors 3 --exact --timeout 300
-record "scale: 3 executors registered $(( $(date +%s) - s ))s after --scale executor=3"
+[ "$(ids scheduler)" = "$scheduler_before" ] || { log "scaling recreated the scheduler"; exit 1; }
+kept=$(comm -12 <(echo "$executors_before") <(ids executor) | wc -l)
+[ "$kept" -eq 2 ] || { log "scaling recreated executors ($kept of 2 kept)"; exit 1; }
+record "scale: 3 executors registered $(( $(date +%s) - s ))s after the README's scale command in another environment; scheduler and both executors untouched"
 
 log "failover: $STREAMS streams x $MAX_TOKENS tokens; docker kill the executor running the most of them, mid-stream"
 set +e
