@@ -32,14 +32,14 @@ def services():
         yield a, b
 
 
-def _consume(stream, sink: dict, started: threading.Event, errors: list) -> None:
+def _consume(stream, sink: dict, started: threading.Event, errors: list, after: int = 4) -> None:
     try:
         for chunk in stream:
             sink["token_ids"].extend(chunk.token_ids)
             sink["text"] += chunk.text
             if chunk.finish_reason is not None:
                 sink["finish_reason"] = chunk.finish_reason
-            if len(sink["token_ids"]) >= 4:
+            if len(sink["token_ids"]) >= after:
                 started.set()
     except BaseException as exc:  # reported by the test thread
         errors.append(exc)
@@ -87,3 +87,23 @@ def test_streams_resume_exactly_after_the_scheduler_is_killed_and_restarted(serv
     with Client([target(a)]) as again:
         assert again.chat(CHAT, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0).collect().text == \
             reference["greedy"].text
+
+
+def test_a_stream_resumes_on_the_same_address_once_its_scheduler_is_back(services):
+    a, _ = services
+    a.wait_serving(1)
+    with Client([target(a)]) as client:
+        reference = client.chat(CHAT, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0).collect()
+        stream = client.chat(CHAT, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+        got = {"token_ids": [], "text": "", "finish_reason": None}
+        started, errors = threading.Event(), []
+        consumer = threading.Thread(target=_consume, args=(stream, got, started, errors, 8))
+        consumer.start()
+        assert started.wait(240)
+        kill_scheduler(a)
+        start_scheduler_again(a)  # the client retries with backoff until it answers
+        consumer.join(240)
+    assert not errors, errors
+    assert stream.num_attempts >= 2
+    assert got["token_ids"] == reference.outputs[0].token_ids
+    assert got["text"] == reference.text
