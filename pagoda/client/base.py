@@ -5,7 +5,6 @@ from __future__ import annotations
 import uuid
 
 from grpc_health.v1 import health_pb2
-from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from pagoda.client.connection import Connection, RetryPolicy, TLSConfig, parse_targets
 from pagoda.client.resume import StreamAttempts, auto_seed
@@ -14,7 +13,6 @@ from pagoda.v1 import generation_pb2 as pb
 
 HEALTH_REQUEST = health_pb2.HealthCheckRequest(service="pagoda.v1.Generation")
 SERVING = health_pb2.HealthCheckResponse.SERVING
-__all__ = ["HEALTH_REQUEST", "SERVING", "ClientBase", "HealthStub"]
 
 
 class ClientBase:

@@ -6,8 +6,9 @@ import time
 from collections.abc import Iterator
 
 import grpc
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
-from pagoda.client.base import HEALTH_REQUEST, SERVING, ClientBase, HealthStub
+from pagoda.client.base import HEALTH_REQUEST, SERVING, ClientBase
 from pagoda.client.resume import StreamAttempts, unary_retry_wait
 from pagoda.client.types import Chunk, Completion, GenerateParams, ModelInfo, Prompt, ServerInfo, Tokens, Usage
 from pagoda.v1 import generation_pb2 as pb
