@@ -61,9 +61,9 @@ class RetryPolicy:
     wait before a retry starts at `initial_backoff` and doubles up to `max_backoff`, except
     that the first try of each other address in a round goes at once."""
 
-    max_attempts: int = 8
+    max_attempts: int = 10  # one address: about 40 s of retries, enough for a scheduler restart
     initial_backoff: float = 0.25
-    max_backoff: float = 4.0
+    max_backoff: float = 8.0
 
     def backoff(self, attempt: int, num_targets: int) -> float:
         """Seconds to wait before try number `attempt` (1 = the first retry)."""

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from pagoda.client import Client, FinishReason
+from pagoda.client import Client, FinishReason, RetryPolicy
 from tests.client.services import EXECUTOR_ARGS, kill_scheduler, start_scheduler_again, target
 from tests.service.harness import Service
 
@@ -92,7 +92,8 @@ def test_streams_resume_exactly_after_the_scheduler_is_killed_and_restarted(serv
 def test_a_stream_resumes_on_the_same_address_once_its_scheduler_is_back(services):
     a, _ = services
     a.wait_serving(1)
-    with Client([target(a)]) as client:
+    patient = RetryPolicy(max_attempts=60, max_backoff=2.0)  # a restart on a loaded machine takes a while
+    with Client([target(a)], retry=patient) as client:
         reference = client.chat(CHAT, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0).collect()
         stream = client.chat(CHAT, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
         got = {"token_ids": [], "text": "", "finish_reason": None}
