@@ -20,9 +20,19 @@
 #   PAGODA_PORT, PAGODA_EXECUTOR_PORT, PAGODA_METRICS_PORT, PAGODA_GATEWAY_PORT
 #                       ports (default: free ports picked here; host networking shares the host's)
 #   STREAMS (6), MAX_TOKENS (48), THREADS (1 torch thread per executor), KEEP_STACK=1
+#   FRESH_CLONE=1       run all of it in a fresh `git clone` of this repository's HEAD (as a new
+#                       user would), with this checkout's .venv for the host-side client only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+if [ "${FRESH_CLONE:-0}" = 1 ]; then
+  clone=$(mktemp -d /tmp/pagoda-fresh-clone.XXXXXX)
+  git clone -q "$ROOT" "$clone/pagoda"
+  echo "[compose-test] fresh clone of $(git rev-parse --short HEAD) in $clone/pagoda"
+  FRESH_CLONE=0 PYTHON=${PYTHON:-$ROOT/.venv/bin/python} "$clone/pagoda/scripts/compose_test.sh" && rc=0 || rc=$?
+  rm -rf "$clone"
+  exit $rc
+fi
 PROJECT=${COMPOSE_PROJECT:-pagoda-compose-test}
 NETWORK=${NETWORK:-host}
 STREAMS=${STREAMS:-6}
