@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import subprocess
+import sys
 from concurrent import futures
 
 import grpc
@@ -18,7 +20,7 @@ from cryptography.x509.oid import NameOID
 from pagoda.client import Client, RetryPolicy, TLSConfig, Unauthenticated, Unavailable
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
 from tests.client.keyed_server import KEY, KeyedServicer
-from tests.service.harness import free_port
+from tests.service.harness import ROOT, free_port
 
 
 
@@ -101,3 +103,12 @@ def test_without_a_client_certificate_the_handshake_fails(pki, mtls_server):
 def test_tls_config_needs_cert_and_key_together(pki):
     with pytest.raises(ValueError, match="cert and key"):
         TLSConfig.from_files(ca=pki["ca"], cert=pki["client"])
+
+
+def test_the_cli_takes_the_key_and_tls_flags(pki, mtls_server):
+    base = [sys.executable, "-m", "pagoda", "generate", "x", "--target", mtls_server, "--ssl-ca-certs", pki["ca"],
+            "--ssl-certfile", pki["client"], "--ssl-keyfile", pki["client_key"]]
+    ok = subprocess.run([*base, "--api-key", KEY], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stdout == "ok!\n", ok.stderr
+    bad = subprocess.run([*base, "--api-key", "wrong"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "UNAUTHENTICATED" in bad.stderr
