@@ -121,14 +121,17 @@ log "up: scheduler + 2 executors + gateway ($NETWORK networking, gRPC $TARGET, e
 container_of() { docker ps -q --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=$1"; }
 s=$(date +%s)
 "$PY" docker/compose_client.py wait --target "$TARGET" --executors 2 --timeout 300
-health=starting
-for _ in $(seq 1 60); do
-  health=$(docker inspect --format '{{.State.Health.Status}}' "$(container_of scheduler)")
-  [ "$health" = healthy ] && break
-  sleep 2
-done
-[ "$health" = healthy ] || { log "scheduler container health: $health"; exit 1; }
-record "up: 2 executors registered, scheduler container healthy (grpc.health.v1 via docker/healthcheck.py) after $(( $(date +%s) - s ))s"
+wait_healthy() {
+  local health=starting
+  for _ in $(seq 1 60); do
+    health=$(docker inspect --format '{{.State.Health.Status}}' "$(container_of "$1")")
+    [ "$health" = healthy ] && return 0
+    sleep 2
+  done
+  log "$1 container health: $health"; return 1
+}
+wait_healthy scheduler && wait_healthy gateway
+record "up: 2 executors registered, scheduler and gateway containers healthy (docker/healthcheck.py: grpc.health.v1, /health) after $(( $(date +%s) - s ))s"
 
 # --- 3. one streamed request from the host ------------------------------------------------------
 out=$("$PY" docker/compose_client.py stream --target "$TARGET" --max-tokens 32 --timeout 180) || { echo "$out"; exit 1; }
