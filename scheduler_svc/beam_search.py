@@ -121,6 +121,7 @@ class BeamSearch:
     prompt_token_ids: list[int]
     params: BeamSearchParams
     priority: int = 0
+    cache_salt: str = ""
     arrival_time: float = 0.0
     generation: int = field(default=0, init=False)
     done: bool = field(default=False, init=False)
@@ -163,6 +164,7 @@ class BeamSearch:
             priority=self.priority,
             arrival_time=self.arrival_time,
             is_beam=True,
+            cache_salt=self.cache_salt,
         )
 
     # ---- one generation -------------------------------------------------------------------

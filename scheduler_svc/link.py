@@ -1,65 +1,177 @@
 """The scheduler's end of the ZeroMQ link: one ROUTER socket that every executor connects to.
 
 A thin adapter: it parses `ExecutorMessage`s and hands them to a `LinkListener`; it sends
-`SchedulerMessage`s to an executor by identity. An executor's main DEALER socket has the
-identity of its executor_id; its heartbeat socket has another one, so the scheduler
-always answers on the main identity named in the message.
+`SchedulerMessage`s to an executor by identity.
+
+Who is who. An executor's identity is its connection, never an id inside a message:
+
+    routing id "<id>"     the executor's main DEALER: Hello, Register, StepResult, Goodbye
+    routing id "<id>/hb"  its heartbeat DEALER: Heartbeat only
+
+Every listener callback gets the executor id of the connection the message came on. A
+message that names another executor (`executor_id` field), a non-heartbeat message on a
+heartbeat connection, and a heartbeat without the token its executor registered are
+dropped and logged. ROUTER refuses a second connection with a routing id already in use
+(ROUTER_HANDOVER stays off), so a live executor's identity cannot be taken over.
+
+With `LinkKeys` (a cluster secret) the socket is a CURVE server and a ZAP handler admits
+only the client key derived from the same secret: a peer without it cannot complete the
+handshake, so it is never handed a message, and its attempt is counted in
+`pagoda:executor_link_rejected_connections_total`. Without keys the link is plaintext
+(the caller allows that only on loopback: `pagoda.link_security.check_link_policy`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
 from typing import Protocol
 
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
-from pagoda import wire
+from pagoda import link_security, wire
+from pagoda.link_security import LinkKeys
 from pagoda.step import StepPlan
 from pagoda.v1 import executor_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_SUFFIX = "/hb"
+_HANDSHAKE_FAILURES = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake",
+}
+
 
 class LinkListener(Protocol):
-    def on_hello(self, msg: pb.Hello) -> None: ...
-    def on_register(self, msg: pb.Register) -> None: ...
-    def on_heartbeat(self, msg: pb.Heartbeat) -> None: ...
+    """Callbacks get the executor id of the authenticated connection (see the module docstring)."""
+
+    def on_hello(self, executor_id: str, msg: pb.Hello) -> None: ...
+    def on_register(self, executor_id: str, msg: pb.Register) -> None: ...
+    def on_heartbeat(self, executor_id: str, msg: pb.Heartbeat) -> None: ...
     def on_step_result(self, executor_id: str, msg: pb.StepResult) -> None: ...
-    def on_goodbye(self, msg: pb.Goodbye) -> None: ...
+    def on_goodbye(self, executor_id: str, msg: pb.Goodbye) -> None: ...
+
+
+class _ExactKey:
+    """ZAP credentials provider: admits one CURVE client public key (constant-time comparison)."""
+
+    def __init__(self, client_public: bytes):
+        self._key = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self._key)
 
 
 class ExecutorLink:
-    def __init__(self, bind: str, listener: LinkListener):
+    def __init__(
+        self,
+        bind: str,
+        listener: LinkListener,
+        keys: LinkKeys | None = None,
+        registry: CollectorRegistry | None = None,
+    ):
         self._ctx = zmq.asyncio.Context()
+        self._listener = listener
+        self._auth: ThreadAuthenticator | None = None
+        self._heartbeat_tokens: dict[str, bytes] = {}
+        self._banned: set[str] = set()
+        self.rejected = Counter(
+            "pagoda:executor_link_rejected_connections",
+            "Connections to the executor link that failed the handshake (no or wrong cluster secret, junk)",
+            ["reason"],
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "pagoda:executor_link_dropped_messages",
+            "Executor messages dropped: unparsable, or naming another executor than their connection",
+            ["reason"],
+            registry=registry,
+        )
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            # The ZAP handler must be up before the socket binds: libzmq lets a CURVE client in
+            # unchecked when no handler answers on inproc://zeromq.zap.01.
+            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("scheduler_svc.zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback(link_security.ZAP_DOMAIN, _ExactKey(keys.client_public))
+            link_security.configure_server(self._sock, keys)
+        self._monitor = self._sock.get_monitor_socket(sum(_HANDSHAKE_FAILURES))
         self._sock.bind(bind)
-        self._listener = listener
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.secure = keys is not None
 
     async def serve(self) -> None:
+        monitor = asyncio.ensure_future(self._watch_handshakes())
+        try:
+            while True:
+                frames = await self._sock.recv_multipart()
+                self._dispatch(frames[0].decode(errors="replace"), frames[-1])
+        finally:
+            monitor.cancel()
+
+    def _dispatch(self, conn: str, payload: bytes) -> None:
+        msg = pb.ExecutorMessage()
+        try:
+            msg.ParseFromString(payload)
+        except Exception:
+            self._drop(conn, "unparsable", "an unparsable message")
+            return
+        kind = msg.WhichOneof("kind")
+        if kind is None:
+            self._drop(conn, "unparsable", "a message of no known kind")
+            return
+        on_heartbeat_conn = conn.endswith(HEARTBEAT_SUFFIX)
+        executor_id = conn[: -len(HEARTBEAT_SUFFIX)] if on_heartbeat_conn else conn
+        if executor_id in self._banned:
+            return
+        body = getattr(msg, kind)
+        claimed = getattr(body, "executor_id", executor_id)
+        if claimed != executor_id:
+            self._drop(conn, "wrong_executor_id", f"{kind} naming executor {claimed!r}")
+            return
+        if on_heartbeat_conn != (kind == "heartbeat"):
+            self._drop(conn, "wrong_connection", f"{kind} on the wrong connection")
+            return
+        if kind == "heartbeat":
+            expected = self._heartbeat_tokens.get(executor_id)
+            if expected is not None and not hmac.compare_digest(expected, body.token):
+                self._drop(conn, "wrong_heartbeat_token", "a heartbeat without its executor's token")
+                return
+            self._listener.on_heartbeat(executor_id, body)
+        elif kind == "step_result":
+            self._listener.on_step_result(executor_id, body)
+        elif kind == "hello":
+            self._listener.on_hello(executor_id, body)
+        elif kind == "register":
+            self._heartbeat_tokens[executor_id] = body.heartbeat_token
+            self._listener.on_register(executor_id, body)
+        elif kind == "goodbye":
+            self._listener.on_goodbye(executor_id, body)
+
+    def _drop(self, conn: str, reason: str, what: str) -> None:
+        self.dropped.labels(reason).inc()
+        log.warning("dropping %s from connection %r", what, conn)
+
+    async def _watch_handshakes(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart()
-            identity, payload = frames[0], frames[-1]
-            msg = pb.ExecutorMessage()
-            try:
-                msg.ParseFromString(payload)
-            except Exception:
-                log.warning("dropping an unparsable message from %r", identity)
-                continue
-            kind = msg.WhichOneof("kind")
-            if kind == "step_result":
-                self._listener.on_step_result(identity.decode(errors="replace"), msg.step_result)
-            elif kind == "heartbeat":
-                self._listener.on_heartbeat(msg.heartbeat)
-            elif kind == "hello":
-                self._listener.on_hello(msg.hello)
-            elif kind == "register":
-                self._listener.on_register(msg.register)
-            elif kind == "goodbye":
-                self._listener.on_goodbye(msg.goodbye)
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            reason = _HANDSHAKE_FAILURES.get(event["event"])
+            if reason is not None:
+                self.rejected.labels(reason).inc()
+                log.warning("executor link: a peer failed the %s handshake (%s): %s", "CURVE" if self.secure else "ZMTP", reason, event["value"])
+
+    def ban(self, executor_id: str) -> None:
+        """Ignore every further message of `executor_id` (it broke the protocol; it is not trusted again)."""
+        self._banned.add(executor_id)
 
     async def send_plan(self, executor_id: str, plan: StepPlan) -> bool:
         return await self.send(executor_id, pb.SchedulerMessage(step_plan=wire.plan_to_proto(plan)))
@@ -74,5 +186,9 @@ class ExecutorLink:
             return False
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()

@@ -27,6 +27,7 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_BEAM_WIDTH = 16
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class GenerateParams:
     priority: int
     eos_token_ids: frozenset[int]
     beam_width: int = 1  # > 1: beam search, the n best of beam_width beams
+    cache_salt: str = ""  # prefix-cache hits only among equal salts (the server adds the tenant)
 
 
 def validate_generate(
@@ -102,6 +104,8 @@ def validate_generate(
     if response.top_logprobs > MAX_TOP_LOGPROBS:
         raise InvalidArgument("response.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {response.top_logprobs}")
     priority = req.priority if req.HasField("priority") else 0
+    if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters, got {len(req.cache_salt)}")
 
     eos = frozenset(() if stopping.ignore_eos else spec.eos_token_ids)
     stop_token_ids = tuple(sorted(eos | set(stopping.stop_token_ids)))
@@ -132,6 +136,7 @@ def validate_generate(
         priority=priority,
         eos_token_ids=eos,
         beam_width=beam_width,
+        cache_salt=req.cache_salt,
     )
 
 

@@ -10,6 +10,12 @@
 `h1` identifies the whole prefix t0..t7, not just t4..t7. The block's own tokens
 are kept beside the hash so that a lookup verifies them instead of trusting the
 digest. blake2b gives the same keys in every process.
+
+A request's cache salt (its tenant and `GenerateRequest.cache_salt`) replaces ROOT by
+`root_hash(salt)`: the first block's key, and so every key after it, differs between
+salts, so requests with different salts never share a block, nor learn from a hit's
+timing that another tenant sent the same prefix (CVE-2025-46570). The tokens check
+cannot tell salts apart; the chain does.
 """
 
 from __future__ import annotations
@@ -29,6 +35,13 @@ class BlockHash(NamedTuple):
     token_ids: tuple[int, ...]
 
 
+def root_hash(cache_salt: str = "") -> bytes:
+    """The parent key of a request's first block: ROOT_HASH unsalted, else a digest of the salt."""
+    if not cache_salt:
+        return ROOT_HASH
+    return blake2b(cache_salt.encode(), digest_size=16, key=ROOT_HASH).digest()
+
+
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> BlockHash:
     """The key of a full block holding `token_ids` after the prefix keyed `parent_hash`."""
     digest = blake2b(parent_hash, digest_size=16)
@@ -36,10 +49,10 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> BlockHash
     return BlockHash(digest.digest(), tuple(token_ids))
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int) -> None:
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> None:
     """Append the keys of the full blocks of `token_ids` that `hashes` lacks (in place)."""
     num_full_blocks = len(token_ids) // block_size
-    parent = hashes[-1].hash_value if hashes else ROOT_HASH
+    parent = hashes[-1].hash_value if hashes else root_hash(cache_salt)
     for index in range(len(hashes), num_full_blocks):
         start = index * block_size
         block_hash = hash_block_tokens(parent, token_ids[start : start + block_size])
@@ -47,8 +60,8 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
         parent = block_hash.hash_value
 
 
-def block_hashes_of(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+def block_hashes_of(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[BlockHash]:
     """The keys of every full block of `token_ids`."""
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size)
+    extend_block_hashes(hashes, token_ids, block_size, cache_salt)
     return hashes

@@ -12,6 +12,12 @@
 
 Invariant: `num_free_blocks + num_used_blocks == num_total_blocks`, where the totals
 exclude the null block.
+
+Blocks are made lazily: a block never handed out sits, in id order, at the head of the
+free queue (nothing is ever put before it), so the pool keeps only a count of them and
+makes each one when it is first allocated. Creating a pool is O(1) whatever its size (an
+executor registering 3 million blocks used to hold the event loop for ~10 s); `blocks`
+holds the blocks made so far, ids 0..len-1.
 """
 
 from __future__ import annotations
@@ -56,6 +62,22 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self._len
 
+    def prepend(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Put `blocks`, in order, before the current head."""
+        prev = self._head
+        for block in blocks:
+            self._link_after(prev, block)
+            prev = block
+
+    def _link_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
+        nxt = prev.next_free
+        assert nxt is not None
+        prev.next_free = block
+        block.prev_free = prev
+        block.next_free = nxt
+        nxt.prev_free = block
+        self._len += 1
+
     def __iter__(self) -> Iterator[KVCacheBlock]:
         node = self._head.next_free
         while node is not self._tail:
@@ -66,11 +88,7 @@ class FreeBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
         assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self._len += 1
+        self._link_after(last, block)
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
@@ -101,37 +119,50 @@ class BlockPool:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self._num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(0)]  # made so far (ids 0..len-1); the rest are fresh
         self.null_block = self.blocks[0]
-        self._free_queue = FreeBlockQueue(self.blocks[1:])
+        self._free_queue = FreeBlockQueue(())  # free blocks that were handed out before
         self._cached: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_total_blocks(self) -> int:
-        return len(self.blocks) - 1
+        return self._num_blocks - 1
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_queue)
+        return self._num_fresh + len(self._free_queue)
+
+    @property
+    def _num_fresh(self) -> int:
+        return self._num_blocks - len(self.blocks)
+
+    def _make_fresh(self, count: int) -> list[KVCacheBlock]:
+        start = len(self.blocks)
+        made = [KVCacheBlock(block_id) for block_id in range(start, start + count)]
+        self.blocks.extend(made)
+        return made
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
     def free_queue(self) -> list[KVCacheBlock]:
-        """The free blocks, next to be evicted first (for tests and checks)."""
+        """The free blocks, next to be evicted first (for tests and checks: makes every fresh block)."""
+        self._free_queue.prepend(self._make_fresh(self._num_fresh))
         return list(self._free_queue)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks off the head of the free queue, evicting their hashes."""
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
-        blocks = []
-        for _ in range(num_blocks):
+        blocks = self._make_fresh(min(num_blocks, self._num_fresh))  # the head of the queue
+        for _ in range(num_blocks - len(blocks)):
             block = self._free_queue.popleft()
             self._evict(block)
-            block.ref_cnt = 1
             blocks.append(block)
+        for block in blocks:
+            block.ref_cnt = 1
         return blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:

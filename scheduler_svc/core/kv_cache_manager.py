@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from pagoda.step import BlockCopy
-from scheduler_svc.core.block_hash import ROOT_HASH, BlockHash, extend_block_hashes, hash_block_tokens
+from scheduler_svc.core.block_hash import BlockHash, extend_block_hashes, hash_block_tokens, root_hash
 from scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
 from scheduler_svc.core.config import cdiv
 from scheduler_svc.core.request import Request
@@ -65,11 +65,11 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
-    def num_prefix_cached_tokens(self, token_ids: Sequence[int]) -> int:
-        """Tokens of `token_ids` a new request would find cached (for routing; no side effects)."""
+    def num_prefix_cached_tokens(self, token_ids: Sequence[int], cache_salt: str = "") -> int:
+        """Tokens of `token_ids` a new request with `cache_salt` would find cached (for routing; no side effects)."""
         if not self.enable_prefix_caching:
             return 0
-        size, parent, num_hit = self.block_size, ROOT_HASH, 0
+        size, parent, num_hit = self.block_size, root_hash(cache_salt), 0
         for index in range((len(token_ids) - 1) // size):
             block_hash = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])
             if self.block_pool.get_cached_block(block_hash) is None:
@@ -216,7 +216,7 @@ class KVCacheManager:
 
     def _hashes(self, request: Request) -> list[BlockHash]:
         hashes = self._block_hashes.setdefault(request.req_id, [])
-        extend_block_hashes(hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
         return hashes
 
     # ---- accounting -----------------------------------------------------------------------

@@ -80,6 +80,7 @@ class Request:
     num_preemptions: int = 0
     was_scheduled: bool = False
     is_beam: bool = False
+    cache_salt: str = ""  # tenant + GenerateRequest.cache_salt: prefix-cache hits only among equal salts
     _all_token_ids: list[int] = field(init=False, repr=False)
     _stop_token_ids: frozenset[int] = field(init=False, repr=False)
 
