@@ -16,7 +16,7 @@ import sys
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
-from pagoda import model_files  # noqa: E402
+from pagoda import link_security, model_files  # noqa: E402
 from pagoda.cli import add_flag  # noqa: E402
 from executor_svc.worker import Worker, WorkerConfig  # noqa: E402
 
@@ -36,10 +36,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     add_flag(p, "--num-threads", type=int, default=None, help="torch CPU threads (default: one per physical core; idle threads sleep)")
     add_flag(p, "--executor-id", default="", help="default: host-pid-random")
+    add_flag(
+        p, "--cluster-secret-file", default=None,
+        help="the scheduler's cluster secret: authenticates and encrypts the link (CURVE); must match the scheduler's",
+    )
     add_flag(p, "--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.num_kv_blocks is not None and args.num_kv_blocks < 2:
         p.error("--num-kv-blocks must be at least 2 (block 0 is the null block)")
+    if args.executor_id.endswith("/hb"):
+        p.error("--executor-id must not end with /hb (the routing id of our heartbeat connection)")
     if not 0 < args.gpu_memory_utilization <= 1:
         p.error("--gpu-memory-utilization must be in (0, 1]")
     return args
@@ -83,7 +89,17 @@ def main(argv=None) -> int:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
 
-    worker = Worker(WorkerConfig(scheduler=args.scheduler, executor_id=args.executor_id), make_runner, model_files.fingerprint(model_dir))
+    try:
+        link_keys = link_security.load_link_keys(args.cluster_secret_file)
+    except (OSError, ValueError) as exc:
+        log.error("cannot use --cluster-secret-file: %s", exc)
+        return 2
+    log.info(
+        "link to %s: %s", args.scheduler,
+        "CURVE, keys from the cluster secret" if link_keys else "plaintext (no --cluster-secret-file)",
+    )
+    worker_config = WorkerConfig(scheduler=args.scheduler, executor_id=args.executor_id, link_keys=link_keys)
+    worker = Worker(worker_config, make_runner, model_files.fingerprint(model_dir))
     return worker.run()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -29,7 +30,8 @@ from typing import Callable
 
 import zmq
 
-from pagoda import wire
+from pagoda import link_security, wire
+from pagoda.link_security import LinkKeys
 from pagoda.v1 import executor_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class WorkerConfig:
     executor_id: str = ""
     heartbeat_interval_s: float = 0.5
     handshake_timeout_s: float = 600.0
+    link_keys: LinkKeys | None = None  # CURVE keys from the cluster secret; None: plaintext link
 
     def resolved_id(self) -> str:
         return self.executor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -56,10 +59,9 @@ class Worker:
         self._fingerprint = fingerprint
         self._runner = None
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, self.executor_id.encode())
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        self._sock.connect(config.scheduler)
+        # Our heartbeats carry this, so that no other peer can keep our registration alive.
+        self._heartbeat_token = secrets.token_bytes(16)
+        self._sock = self._link_socket(self.executor_id, linger_ms=1000)
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._last_step_id = 0
@@ -83,6 +85,15 @@ class Worker:
             heartbeat.join(timeout=2)
             self._sock.close(linger=1000)
             self._ctx.term()
+
+    def _link_socket(self, identity: str, linger_ms: int) -> zmq.Socket:
+        """A DEALER to the scheduler with routing id `identity` (the scheduler knows us by it), CURVE when keyed."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        link_security.configure_client(sock, self.config.link_keys)
+        sock.connect(self.config.scheduler)
+        return sock
 
     # ---- handshake -------------------------------------------------------------------------
     def _send(self, **kind) -> None:
@@ -128,6 +139,7 @@ class Worker:
                 device=runner.device,
                 max_model_len=runner.max_model_len,
                 vocab_size=runner.vocab_size,
+                heartbeat_token=self._heartbeat_token,
             )
         )
         while not self._draining.is_set():
@@ -176,14 +188,11 @@ class Worker:
             return pb.StepResult(step_id=plan_msg.step_id, error=traceback.format_exc(limit=5))
 
     def _heartbeat_loop(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.executor_id}/hb".encode())
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._link_socket(f"{self.executor_id}/hb", linger_ms=0)
         sock.setsockopt(zmq.SNDHWM, 4)
-        sock.connect(self.config.scheduler)
         try:
             while not self._stop.wait(self.config.heartbeat_interval_s):
-                beat = pb.Heartbeat(executor_id=self.executor_id, last_step_id=self._last_step_id)
+                beat = pb.Heartbeat(executor_id=self.executor_id, last_step_id=self._last_step_id, token=self._heartbeat_token)
                 try:
                     sock.send(pb.ExecutorMessage(heartbeat=beat).SerializeToString(), zmq.NOBLOCK)
                 except zmq.Again:

@@ -36,7 +36,7 @@ MIN_SECRET_CHARS = 32  # 128 bits of hex
 ZAP_DOMAIN = "pagoda"
 
 MAKE_SECRET_HINT = (
-    "make one with `python -m scheduler_svc --generate-cluster-secret PATH` (or "
+    "Make one with `python -m scheduler_svc --generate-cluster-secret PATH` (or "
     "`python -c \"import secrets; print(secrets.token_hex(32))\" > PATH; chmod 600 PATH`) and pass "
     "--cluster-secret-file PATH (env PAGODA_CLUSTER_SECRET_FILE) to the scheduler and to every executor"
 )

@@ -5,15 +5,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import sys
 
-from pagoda import model_files
-from pagoda.cli import add_bool_flag, add_flag
+from pagoda import link_security, model_files
+from pagoda.cli import add_bool_flag, add_flag, env_name
+from scheduler_svc import auth
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.server import build_server
 from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
 
 log = logging.getLogger("scheduler_svc")
+
+# The largest KV cache an executor may announce, in bytes at one byte per element (fp8): more
+# than any one machine holds today. It keeps a confused or hostile executor from making the
+# scheduler track billions of blocks; --max-kv-blocks overrides it.
+KV_MEMORY_CEILING_BYTES = 2 * 2**40
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,10 +48,56 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--shutdown-grace", type=float, default=30.0, help="seconds streams may run on after SIGTERM")
     add_flag(p, "--metrics-port", type=int, default=9400, help="Prometheus /metrics port on --host (0 = off)")
     add_flag(p, "--log-level", default="INFO")
-    return p.parse_args(argv)
+    security = p.add_argument_group("security (see README: Security)")
+    add_flag(
+        security, "--cluster-secret-file", default=None,
+        help="shared secret file: CURVE-authenticates and encrypts the executor link (executors take the same file)",
+    )
+    add_bool_flag(
+        security, "--insecure-executor-link", default=False,
+        help="allow a plaintext executor link on a non-loopback --executor-bind (anyone reaching it can act as an executor)",
+    )
+    security.add_argument(
+        "--generate-cluster-secret", metavar="PATH", default=None,
+        help="write a new random cluster secret to PATH (mode 600; refuses to overwrite) and exit",
+    )
+    add_flag(
+        security, "--max-kv-blocks", type=int, default=None,
+        help="largest num_kv_blocks an executor may register (default: what 2 TiB of fp8 KV cache of the model holds)",
+    )
+    security.add_argument(
+        "--api-key", action="append", default=None, metavar="KEY",
+        help=f"require `authorization: Bearer KEY` on pagoda.v1.Generation RPCs (repeatable) [env {env_name('--api-key')}]",
+    )
+    add_flag(security, "--api-key-file", default=None, help="API keys, one per line: `key` or `key tenant`")
+    add_flag(security, "--ssl-certfile", default=None, help="serve gRPC over TLS with this certificate (PEM)")
+    add_flag(security, "--ssl-keyfile", default=None, help="the private key of --ssl-certfile (PEM)")
+    add_flag(security, "--ssl-ca-certs", default=None, help="mutual TLS: require client certificates signed by this CA (PEM)")
+    args = p.parse_args(argv)
+    if args.api_key is None and os.environ.get(env_name("--api-key")):
+        args.api_key = [os.environ[env_name("--api-key")]]
+    if args.max_kv_blocks is not None and args.max_kv_blocks < 2:
+        p.error("--max-kv-blocks must be at least 2")
+    return args
 
 
-async def serve(args: argparse.Namespace) -> None:
+def max_kv_blocks(args: argparse.Namespace, kv_elements_per_token: int) -> int:
+    if args.max_kv_blocks is not None:
+        return args.max_kv_blocks
+    per_block = max(kv_elements_per_token, 1) * args.block_size
+    return min(KV_MEMORY_CEILING_BYTES // per_block, 2**32 - 1)
+
+
+def security_settings(args: argparse.Namespace):
+    """(link keys, API keys, TLS credentials) from the flags; raises with a message saying what to fix."""
+    link_keys = link_security.load_link_keys(args.cluster_secret_file)
+    link_security.check_link_policy(args.executor_bind, link_keys, args.insecure_executor_link)
+    api_keys = auth.load_api_keys(args.api_key, args.api_key_file)
+    credentials = auth.server_credentials(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+    return link_keys, api_keys, credentials
+
+
+async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> None:
     model_dir = model_files.resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     spec = read_model_spec(model_dir, tokenizer)
@@ -59,15 +113,24 @@ async def serve(args: argparse.Namespace) -> None:
         executor_timeout_s=args.executor_timeout,
         no_executor_wait_s=args.no_executor_wait,
         async_scheduling=args.async_scheduling,
+        vocab_size=spec.vocab_size,
+        max_kv_blocks=max_kv_blocks(args, spec.kv_elements_per_token),
     )
-    engine = Engine(config, tokenizer, args.executor_bind)
-    server, port = await build_server(engine, spec, model_files.model_name(args.model), f"{args.host}:{args.port}")
+    engine = Engine(config, tokenizer, args.executor_bind, link_keys=link_keys)
+    server, port = await build_server(
+        engine, spec, model_files.model_name(args.model), f"{args.host}:{args.port}", api_keys, credentials
+    )
     engine.start()
     await server.start()
     if args.metrics_port:
         engine.metrics.serve(args.host, args.metrics_port)
         log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.metrics_port)
-    log.info("serving pagoda.v1.Generation on %s:%d; executors connect to %s", args.host, port, engine.pool.link.endpoint)
+    log.info(
+        "serving pagoda.v1.Generation on %s:%d (%s, %s); executors connect to %s (%s)",
+        args.host, port, "TLS" + (" with client certificates" if args.ssl_ca_certs else "") if credentials else "plaintext",
+        f"{len(api_keys)} API keys" if api_keys else "no API key required",
+        engine.pool.link.endpoint, "CURVE" if link_keys else "plaintext",
+    )
     print(f"PAGODA_READY port={port}", flush=True)
 
     stop = asyncio.Event()
@@ -84,7 +147,19 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args))
+    if args.generate_cluster_secret:
+        try:
+            path = link_security.make_cluster_secret(args.generate_cluster_secret)
+        except FileExistsError:
+            sys.exit(f"{args.generate_cluster_secret} exists; not overwriting it")
+        print(f"wrote a new cluster secret to {path}; pass --cluster-secret-file {path} to the scheduler and every executor")
+        return
+    try:
+        settings = security_settings(args)
+    except (link_security.InsecureLinkError, ValueError, OSError) as exc:
+        log.error("refusing to start: %s", exc)
+        sys.exit(2)
+    asyncio.run(serve(args, *settings))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""The gRPC adapter: pagoda.v1.Generation, grpc.health.v1 and server reflection over the Engine."""
+"""The gRPC adapter: pagoda.v1.Generation, grpc.health.v1 and server reflection over the Engine.
+
+API keys and TLS (scheduler_svc/auth.py) wrap the server; health and reflection need no key.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import grpc
@@ -11,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.auth import ApiKey, ApiKeyInterceptor, current_tenant, prefix_cache_salt
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import InvalidArgument, ServiceError
 from scheduler_svc.tokenizer import ModelSpec, encode_text
@@ -30,6 +35,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             params = validate_generate(request, self.engine.tokenizer, self.spec, self.engine.config.max_model_len)
+            params = dataclasses.replace(params, cache_salt=prefix_cache_salt(current_tenant(), params.cache_salt))
             stream = self.engine.submit(params)
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
@@ -79,8 +85,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self.engine.server_info()
 
 
-async def build_server(engine: Engine, spec: ModelSpec, model_name: str, address: str) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
+async def build_server(
+    engine: Engine,
+    spec: ModelSpec,
+    model_name: str,
+    address: str,
+    api_keys: list[ApiKey] = (),
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """The server on `address`: API keys required when `api_keys`, TLS when `credentials`."""
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(list(api_keys))] if api_keys else None)
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, spec, model_name), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -95,5 +109,5 @@ async def build_server(engine: Engine, spec: ModelSpec, model_name: str, address
     engine.on_health_change = set_serving
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     return server, port

@@ -16,6 +16,7 @@ class ModelSpec:
     max_position_embeddings: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    kv_elements_per_token: int = 0  # K and V of every layer (bounds what an executor may claim)
 
 
 def read_model_spec(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> ModelSpec:
@@ -34,7 +35,17 @@ def read_model_spec(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> Mode
         max_position_embeddings=int(text_config.get("max_position_embeddings", 2048)),
         vocab_size=int(text_config["vocab_size"]),
         eos_token_ids=tuple(eos),
+        kv_elements_per_token=_kv_elements_per_token(text_config),
     )
+
+
+def _kv_elements_per_token(config: dict) -> int:
+    try:
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        return 2 * int(config["num_hidden_layers"]) * int(config.get("num_key_value_heads", heads)) * head_dim
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -1,0 +1,172 @@
+"""Who may call pagoda.v1.Generation: API keys (with tenants) and TLS for the gRPC server.
+
+API keys. `--api-key KEY` (repeatable) and `--api-key-file PATH` (lines `key` or `key tenant`;
+`#` comments) make every pagoda.v1.Generation RPC require metadata
+`authorization: Bearer <key>`; without one, or with an unknown one, the RPC ends with
+UNAUTHENTICATED before the servicer runs. grpc.health.v1 and server reflection stay open,
+so load balancers and probes need no key. A key is compared with every configured key
+in constant time (`hmac.compare_digest`, no early exit), so timing tells nothing about how
+much of a guess was right.
+
+Tenants. A key's tenant scopes the prefix cache: requests of different tenants never hit
+each other's cached blocks (see `prefix_cache_salt`). A key without a tenant is a tenant
+of its own. The servicer reads the caller's tenant with `current_tenant()` (a context
+variable the interceptor sets around the handler).
+
+TLS. `--ssl-certfile` + `--ssl-keyfile` serve TLS; `--ssl-ca-certs` adds mutual TLS: clients
+must present a certificate signed by that CA.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+PROTECTED_PREFIX = "/pagoda.v1.Generation/"
+_TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("pagoda_tenant", default="")
+
+
+def current_tenant() -> str:
+    """The tenant of the API key of the RPC being served ("" when keys are off)."""
+    return _TENANT.get()
+
+
+def prefix_cache_salt(tenant: str, cache_salt: str) -> str:
+    """One string for both: the tenant's length prefix keeps ("ab", "c") and ("a", "bc") apart."""
+    if not tenant and not cache_salt:
+        return ""
+    return f"{len(tenant)}:{tenant}|{cache_salt}"
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key: bytes
+    tenant: str
+
+
+def load_api_keys(keys: list[str] | None, key_file: str | None) -> list[ApiKey]:
+    """The keys of `--api-key` and `--api-key-file`; ValueError on an empty or malformed entry."""
+    entries: list[tuple[str, str | None, str]] = [(key, None, "--api-key") for key in keys or ()]
+    if key_file:
+        for number, line in enumerate(Path(key_file).read_text().splitlines(), 1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            if len(fields) > 2:
+                raise ValueError(f"{key_file}:{number}: expected `key` or `key tenant`, got {len(fields)} fields")
+            entries.append((fields[0], fields[1] if len(fields) == 2 else None, f"{key_file}:{number}"))
+    out = []
+    for key, tenant, where in entries:
+        key = key.strip()
+        if len(key) < 16:
+            raise ValueError(f"{where}: an API key must have at least 16 characters")
+        if tenant is None:  # a tenant of its own, named without revealing the key
+            tenant = "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        out.append(ApiKey(key.encode(), tenant))
+    return out
+
+
+def _bearer(metadata) -> bytes | None:
+    for name, value in metadata or ():
+        if name == "authorization":
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() == "bearer" and token:
+                return token.strip().encode()
+    return None
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for pagoda.v1.Generation RPCs without a known key; the rest pass."""
+
+    def __init__(self, keys: list[ApiKey]):
+        if not keys:
+            raise ValueError("ApiKeyInterceptor needs at least one key")
+        self._keys = keys
+
+    def tenant_of(self, token: bytes | None) -> str | None:
+        """The tenant of `token`, None if it is no key. Looks at every key whatever matches."""
+        found = None
+        for entry in self._keys:
+            if hmac.compare_digest(entry.key, token or b"") and found is None:
+                found = entry.tenant
+        return found if token else None
+
+    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(PROTECTED_PREFIX):
+            return handler
+        tenant = self.tenant_of(_bearer(handler_call_details.invocation_metadata))
+        if tenant is None:
+            log.warning("refused %s: no valid API key", handler_call_details.method)
+            return _refusing(handler)
+        return _with_tenant(handler, tenant)
+
+
+_MESSAGE = "a valid API key is required: metadata `authorization: Bearer <key>`"
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    codecs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_stream:
+        async def refuse_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+            yield  # pragma: no cover (an async generator, as the handler kind requires)
+
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **codecs)
+    if handler.unary_unary:
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+
+        return grpc.unary_unary_rpc_method_handler(refuse, **codecs)
+    raise TypeError("pagoda.v1.Generation has only unary-unary and unary-stream RPCs")
+
+
+def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodHandler:
+    """`handler` with `current_tenant()` set while it runs (in its own task, so in the handler itself)."""
+    codecs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_stream:
+        inner_stream = handler.unary_stream
+
+        async def stream(request, context):
+            _TENANT.set(tenant)
+            async for response in inner_stream(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(stream, **codecs)
+    if handler.unary_unary:
+        inner = handler.unary_unary
+
+        async def unary(request, context):
+            _TENANT.set(tenant)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, **codecs)
+    raise TypeError("pagoda.v1.Generation has only unary-unary and unary-stream RPCs")
+
+
+def server_credentials(certfile: str | None, keyfile: str | None, ca_certs: str | None) -> grpc.ServerCredentials | None:
+    """TLS credentials for the gRPC port (mutual when `ca_certs`); None for plaintext. ValueError on a bad combination."""
+    if not certfile and not keyfile:
+        if ca_certs:
+            raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+        return None
+    if not certfile or not keyfile:
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    pair = (Path(keyfile).read_bytes(), Path(certfile).read_bytes())
+    root = Path(ca_certs).read_bytes() if ca_certs else None
+    return grpc.ssl_server_credentials([pair], root_certificates=root, require_client_auth=root is not None)
+
+
+def channel_credentials(ca_certs: str | None = None, certfile: str | None = None, keyfile: str | None = None) -> grpc.ChannelCredentials:
+    """The client side: trust `ca_certs` (default: the system's roots); present a client certificate for mutual TLS."""
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(ca_certs), read(keyfile), read(certfile))
