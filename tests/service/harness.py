@@ -66,9 +66,10 @@ class Service:
             self.wait_serving(self.num_executors)
         return self
 
-    def add_executor(self, extra_args=()) -> subprocess.Popen:
-        args = ["--scheduler", self.zmq, "--device", "cpu", *self.executor_args, *extra_args]
-        proc = self._spawn("executor_svc", args, f"executor{len(self.executors)}")
+    def add_executor(self, extra_args=(), module: str = "executor_svc", module_args=()) -> subprocess.Popen:
+        """Start an executor; `module` (with `module_args` before the flags) may be a test double of executor_svc."""
+        args = [*module_args, "--scheduler", self.zmq, "--device", "cpu", *self.executor_args, *extra_args]
+        proc = self._spawn(module, args, f"executor{len(self.executors)}")
         self.executors.append(proc)
         return proc
 
