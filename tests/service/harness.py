@@ -32,8 +32,14 @@ def free_port() -> int:
 class Service:
     """`with Service(...) as svc:` runs `python -m scheduler_svc` and N `python -m executor_svc`."""
 
-    def __init__(self, model: str | None = None, scheduler_args=(), executor_args=(), num_executors: int = 1):
+    def __init__(
+        self, model: str | None = None, scheduler_args=(), executor_args=(), num_executors: int = 1,
+        channel_credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None,
+    ):
+        """`channel_credentials`: the stub's channel is TLS (for --ssl-*); `api_key`: the stub sends it (--api-key)."""
         self.model = model
+        self.channel_credentials = channel_credentials
+        self.api_key = api_key
         self.scheduler_args = list(scheduler_args)
         self.executor_args = list(executor_args)
         self.num_executors = num_executors
@@ -59,12 +65,22 @@ class Service:
         )
         for _ in range(self.num_executors):
             self.add_executor()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.channel = self.open_channel(self.channel_credentials, self.api_key)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         if self.num_executors:
             self.wait_serving(self.num_executors)
         return self
+
+    def open_channel(self, credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None) -> grpc.Channel:
+        """A channel to the scheduler: TLS with `credentials`, sending `api_key` on every call when given."""
+        target = f"127.0.0.1:{self.port}"
+        if credentials is None:
+            channel = grpc.insecure_channel(target)
+            return grpc.intercept_channel(channel, BearerKey(api_key)) if api_key else channel
+        if api_key:
+            credentials = grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(api_key))
+        return grpc.secure_channel(target, credentials)
 
     def add_executor(self, extra_args=(), module: str = "executor_svc", module_args=()) -> subprocess.Popen:
         """Start an executor; `module` (with `module_args` before the flags) may be a test double of executor_svc."""
@@ -140,6 +156,22 @@ class Service:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <key>` to every call of a plaintext channel (call credentials need TLS)."""
+
+    def __init__(self, key: str):
+        self._metadata = ("authorization", f"Bearer {key}")
+
+    def _details(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), self._metadata])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
 
 
 def collect(responses) -> dict:

@@ -1,0 +1,136 @@
+"""The gRPC API's protections (issue #13): API keys, TLS and mutual TLS, tenant isolation of the prefix cache.
+
+Certificates are made in the test (tests/service/certs.py). The TLS service also requires
+API keys from a key file with tenants, so the same scheduler shows all three at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pagoda.v1 import generation_pb2 as pb
+from pagoda.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.auth import channel_credentials
+from tests.service.certs import make_pki
+from tests.service.harness import SERVICE, Service, collect, greedy_request
+
+ALICE = "alice-key-0123456789abcdef"
+ALICE_2 = "alice-key-2-0123456789abcdef"
+BOB = "bob-key-0123456789abcdef"
+LONE = "lone-key-0123456789abcdef"  # no tenant named: a tenant of its own
+# 160 tokens: ten full blocks of 16, the same for every tenant
+LONG_PROMPT = [(i * 37) % 1000 + 100 for i in range(160)]
+
+RPCS = {
+    "Generate": lambda stub, **kw: collect(stub.Generate(greedy_request(prompt_ids=[1, 2, 3], max_tokens=2), **kw)),
+    "Abort": lambda stub, **kw: stub.Abort(pb.AbortRequest(request_ids=["x"]), **kw),
+    "Tokenize": lambda stub, **kw: stub.Tokenize(pb.TokenizeRequest(text="hello"), **kw),
+    "GetModelInfo": lambda stub, **kw: stub.GetModelInfo(pb.GetModelInfoRequest(), **kw),
+    "GetServerInfo": lambda stub, **kw: stub.GetServerInfo(pb.GetServerInfoRequest(), **kw),
+}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def service(pki, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    key_file.write_text(f"# key tenant\n{ALICE} alice\n{ALICE_2} alice\n{BOB} bob\n{LONE}\n")
+    tls = ["--ssl-certfile", str(pki.server_cert), "--ssl-keyfile", str(pki.server_key)]
+    creds = channel_credentials(str(pki.ca))
+    with Service(
+        scheduler_args=[*tls, "--api-key-file", str(key_file)], executor_args=["--num-threads", "1"],
+        channel_credentials=creds, api_key=ALICE,
+    ) as svc:
+        yield svc
+
+
+def stub_with(svc: Service, pki, key: str | None) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(svc.open_channel(channel_credentials(str(pki.ca)), key))
+
+
+@pytest.mark.parametrize("rpc", sorted(RPCS))
+def test_every_generation_rpc_needs_a_valid_key(service, pki, rpc):
+    call = RPCS[rpc]
+    for key in (None, "wrong-key-0123456789abcdef", ALICE[:-1]):
+        with pytest.raises(grpc.RpcError) as err:
+            call(stub_with(service, pki, key), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (rpc, key)
+        assert "API key" in err.value.details()
+    bare = pb_grpc.GenerationStub(grpc.secure_channel(f"127.0.0.1:{service.port}", channel_credentials(str(pki.ca))))
+    with pytest.raises(grpc.RpcError) as err:  # a malformed header is no key either
+        call(bare, timeout=30, metadata=[("authorization", f"Basic {ALICE}")])
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    call(stub_with(service, pki, BOB), timeout=60)  # the right key works
+
+
+def test_health_and_reflection_need_no_key(service, pki):
+    channel = grpc.secure_channel(f"127.0.0.1:{service.port}", channel_credentials(str(pki.ca)))
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (answer,) = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    assert SERVICE in [s.name for s in answer.list_services_response.service]
+
+
+def test_tls_client_streams_and_a_plaintext_client_fails(service):
+    result = collect(service.stub.Generate(greedy_request(prompt_ids=[1, 2, 3, 4], max_tokens=4), timeout=60))
+    assert len(result["outputs"][0]["token_ids"]) == 4
+    plain = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{service.port}"))
+    with pytest.raises(grpc.RpcError) as err:
+        plain.GetModelInfo(pb.GetModelInfoRequest(), timeout=10, metadata=[("authorization", f"Bearer {ALICE}")])
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def cached_tokens(stub, salt: str = "") -> int:
+    req = greedy_request(prompt_ids=LONG_PROMPT, max_tokens=2)
+    req.cache_salt = salt
+    return collect(stub.Generate(req, timeout=120))["first"].prompt_info.num_cached_tokens
+
+
+def test_tenants_and_salts_never_share_cached_blocks(service, pki):
+    alice, alice_2, bob, lone = (stub_with(service, pki, k) for k in (ALICE, ALICE_2, BOB, LONE))
+    full_hit = 160 - 16  # every full block but the last (its last token's logits are needed)
+    assert cached_tokens(alice) == 0
+    assert cached_tokens(alice) == full_hit  # the same tenant hits
+    assert cached_tokens(alice_2) == full_hit  # another key of the same tenant too
+    assert cached_tokens(bob) == 0  # another tenant does not
+    assert cached_tokens(bob) == full_hit
+    assert cached_tokens(lone) == 0
+    assert cached_tokens(alice, salt="per-user-1") == 0  # a salt isolates within a tenant
+    assert cached_tokens(alice, salt="per-user-1") == full_hit
+    assert cached_tokens(alice, salt="per-user-2") == 0
+    with pytest.raises(grpc.RpcError) as err:
+        cached_tokens(alice, salt="x" * 257)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in err.value.details()
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate(pki):
+    tls = ["--ssl-certfile", str(pki.server_cert), "--ssl-keyfile", str(pki.server_key), "--ssl-ca-certs", str(pki.ca)]
+    mutual = channel_credentials(str(pki.ca), str(pki.client_cert), str(pki.client_key))
+    with Service(num_executors=0, scheduler_args=tls, channel_credentials=mutual) as svc:
+        info = _wait_model_info(svc.stub)
+        assert info.vocab_size > 0
+        no_cert = pb_grpc.GenerationStub(svc.open_channel(channel_credentials(str(pki.ca))))
+        with pytest.raises(grpc.RpcError) as err:
+            no_cert.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _wait_model_info(stub, timeout: float = 120.0) -> pb.ModelInfo:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
