@@ -1,0 +1,127 @@
+"""Pure pieces of issue #13's protections: key derivation, link policy, API keys, result checks, salts, lazy pool."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import zmq
+
+from pagoda import link_security
+from pagoda.step import SampledToken, StepResult
+from scheduler_svc.auth import ApiKeyInterceptor, load_api_keys, prefix_cache_salt
+from scheduler_svc.core.block_hash import ROOT_HASH, block_hashes_of, root_hash
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.request import Request
+from scheduler_svc.result_check import sampled_values_problem
+
+
+def test_both_sides_derive_the_same_working_keys_and_other_secrets_differ(tmp_path):
+    path = link_security.make_cluster_secret(tmp_path / "s")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        link_security.make_cluster_secret(path)
+    secret = link_security.read_cluster_secret(path)
+    a, b = link_security.derive_link_keys(secret), link_security.derive_link_keys(secret)
+    assert a == b and a.server_public != a.client_public
+    assert zmq.curve_public(a.server_secret) == a.server_public
+    assert zmq.curve_public(a.client_secret) == a.client_public
+    other = link_security.derive_link_keys(b"x" * 64)
+    assert {other.server_public, other.client_public}.isdisjoint({a.server_public, a.client_public})
+    assert a.server_secret.decode() not in repr(a) and a.client_secret.decode() not in repr(a)
+    (tmp_path / "short").write_text("abc\n")
+    with pytest.raises(ValueError, match="at least 32"):
+        link_security.read_cluster_secret(tmp_path / "short")
+
+
+@pytest.mark.parametrize(
+    "endpoint, loopback",
+    [
+        ("tcp://127.0.0.1:5557", True), ("tcp://127.0.0.2:1", True), ("tcp://localhost:5557", True),
+        ("tcp://[::1]:5557", True), ("ipc:///tmp/x", True), ("tcp://0.0.0.0:5557", False),
+        ("tcp://*:5557", False), ("tcp://10.0.0.3:5557", False), ("tcp://eth0:5557", False), ("tcp://[::]:1", False),
+    ],
+)
+def test_loopback_endpoints(endpoint, loopback):
+    assert link_security.is_loopback_endpoint(endpoint) is loopback
+
+
+def test_a_reachable_plaintext_link_needs_the_explicit_override(caplog):
+    keys = link_security.derive_link_keys(b"k" * 64)
+    link_security.check_link_policy("tcp://0.0.0.0:5557", keys, insecure=False)
+    link_security.check_link_policy("tcp://127.0.0.1:5557", None, insecure=False)
+    with pytest.raises(link_security.InsecureLinkError, match="--generate-cluster-secret"):
+        link_security.check_link_policy("tcp://0.0.0.0:5557", None, insecure=False)
+    link_security.check_link_policy("tcp://0.0.0.0:5557", None, insecure=True)
+    assert "INSECURE" in caplog.text
+
+
+def test_api_key_file_and_tenants(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# comment\n\nkey-aaaaaaaaaaaaaaaa team-a\nkey-bbbbbbbbbbbbbbbb team-a  # two keys, one tenant\nkey-cccccccccccccccc\n")
+    keys = load_api_keys(["key-dddddddddddddddd"], str(path))
+    tenants = {k.key.decode(): k.tenant for k in keys}
+    assert tenants["key-aaaaaaaaaaaaaaaa"] == tenants["key-bbbbbbbbbbbbbbbb"] == "team-a"
+    lone = {tenants["key-cccccccccccccccc"], tenants["key-dddddddddddddddd"]}
+    assert len(lone) == 2 and all("cccc" not in t and "dddd" not in t for t in lone)  # own tenants, keys not shown
+    interceptor = ApiKeyInterceptor(keys)
+    assert interceptor.tenant_of(b"key-aaaaaaaaaaaaaaaa") == "team-a"
+    assert interceptor.tenant_of(b"key-aaaaaaaaaaaaaaa") is None and interceptor.tenant_of(None) is None
+    assert interceptor.tenant_of(b"") is None
+    path.write_text("short\n")
+    with pytest.raises(ValueError, match="16 characters"):
+        load_api_keys(None, str(path))
+    path.write_text("key-aaaaaaaaaaaaaaaa a b\n")
+    with pytest.raises(ValueError, match=":1: expected"):
+        load_api_keys(None, str(path))
+
+
+def test_salts_are_unambiguous_and_change_every_block_key():
+    assert prefix_cache_salt("", "") == ""
+    assert prefix_cache_salt("ab", "c") != prefix_cache_salt("a", "bc") != prefix_cache_salt("", "abc")
+    assert root_hash("") == ROOT_HASH and root_hash("a") != root_hash("b")
+    tokens = list(range(64))
+    plain, salted = block_hashes_of(tokens, 16), block_hashes_of(tokens, 16, "t")
+    assert all(p.hash_value != s.hash_value for p, s in zip(plain, salted))
+    assert block_hashes_of(tokens, 16, "t") == salted
+
+
+def test_prefix_hits_only_within_one_salt():
+    manager = KVCacheManager(block_size=4, num_blocks=32, enable_prefix_caching=True)
+    first = Request("a", list(range(13)), cache_salt="tenant-a")
+    blocks, _ = manager.get_computed_blocks(first)
+    assert manager.allocate_slots(first, 13, blocks) is not None
+    first.num_computed_tokens = 13
+    manager.cache_full_blocks(first)
+    same = Request("b", list(range(13)), cache_salt="tenant-a")
+    other = Request("c", list(range(13)), cache_salt="tenant-b")
+    assert manager.get_computed_blocks(same)[1] == 12
+    assert manager.get_computed_blocks(other)[1] == 0
+    assert manager.num_prefix_cached_tokens(list(range(13)), "tenant-a") == 12
+    assert manager.num_prefix_cached_tokens(list(range(13)), "tenant-b") == 0
+    assert manager.num_prefix_cached_tokens(list(range(13))) == 0
+
+
+def test_sampled_values_are_checked():
+    ok = StepResult(1, [SampledToken("r", 5, -0.5, [(5, -0.5), (6, -math.inf)])])
+    assert sampled_values_problem(ok, 10) == ""
+    for bad in (
+        SampledToken("r", 10), SampledToken("r", -1), SampledToken("r", 1, math.nan), SampledToken("r", 1, math.inf),
+        SampledToken("r", 1, 3.0), SampledToken("r", 1, -0.1, [(99, -1.0)]), SampledToken("r", 1, -0.1, [(1, math.nan)]),
+    ):
+        assert sampled_values_problem(StepResult(1, [bad]), 10), bad
+
+
+def test_a_huge_pool_makes_no_block_until_one_is_used():
+    pool = BlockPool(3_000_000, enable_caching=True)
+    assert len(pool.blocks) == 1 and pool.num_free_blocks == pool.num_total_blocks == 2_999_999
+    got = pool.get_new_blocks(3)
+    assert [b.block_id for b in got] == [1, 2, 3] and len(pool.blocks) == 4
+    pool.free_blocks(reversed(got))
+    assert pool.num_free_blocks == 2_999_999
+    small = BlockPool(6, enable_caching=False)
+    small.get_new_blocks(2)
+    assert [b.block_id for b in small.free_queue()] == [3, 4, 5]  # fresh blocks stay at the head, in order
+    small.check_integrity()
