@@ -43,8 +43,13 @@ from bench.common import (  # noqa: E402
     workload_from_args,
     write_json,
 )
+from pagoda.cli import add_flag  # noqa: E402
+from pagoda.client.connection import Connection, TLSConfig  # noqa: E402
 from pagoda.v1 import generation_pb2 as pb  # noqa: E402
 from pagoda.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+
+# How this run reaches a --target: API key and TLS (add_service_flags; set by service_target).
+_CONNECTION = Connection(())
 
 
 def make_request(spec: RequestSpec) -> pb.GenerateRequest:
@@ -59,7 +64,7 @@ def make_request(spec: RequestSpec) -> pb.GenerateRequest:
 async def _stream_one(stub, spec: RequestSpec, record: RequestRecord, timeout_s: float) -> None:
     record.start = time.perf_counter()
     try:
-        async for response in stub.Generate(make_request(spec), timeout=timeout_s):
+        async for response in stub.Generate(make_request(spec), timeout=timeout_s, metadata=_CONNECTION.metadata()):
             now = time.perf_counter()
             n = 0
             for out in response.outputs:
@@ -81,7 +86,7 @@ async def run_requests(
     return the records and the run's start and end (perf_counter seconds)."""
     records = [RequestRecord(s.index, len(s.prompt_ids), s.max_tokens) for s in specs]
     limit = asyncio.Semaphore(max_concurrency or len(specs) or 1)
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with _CONNECTION.aio_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         await channel.channel_ready()
         t0 = time.perf_counter()
@@ -110,10 +115,10 @@ def warm_up(target: str, num_requests: int = 2, timeout_s: float = 300.0) -> Non
 
 
 def server_snapshot(target: str) -> dict:
-    with grpc.insecure_channel(target) as channel:
+    with _CONNECTION.channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+        model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, metadata=_CONNECTION.metadata())
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30, metadata=_CONNECTION.metadata())
     return {
         "model": model.name,
         "max_model_len": model.max_model_len,
@@ -155,12 +160,20 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         "--scheduler-args", default="", help='extra scheduler flags, e.g. "--max-num-batched-tokens 512" (one flag alone: use =)'
     )
     g.add_argument("--executor-args", default="", help='extra executor flags, e.g. "--num-threads 2"')
+    # for --target, as the `pagoda` CLI's (pagoda.client.flags; its --target is ours above)
+    add_flag(g, "--api-key", help="sent as `authorization: Bearer <key>`")
+    add_flag(g, "--ssl-ca-certs", help="TLS: the CA that signed the scheduler's certificate")
+    add_flag(g, "--ssl-certfile", help="mutual TLS: client certificate")
+    add_flag(g, "--ssl-keyfile", help="mutual TLS: its private key")
 
 
 @contextlib.contextmanager
 def service_target(args, scheduler_args: str | None = None):
     """Yield host:port: `--target` as given, else a spawned service that stops afterwards."""
     if args.target:
+        global _CONNECTION
+        tls = TLSConfig.from_files(args.ssl_ca_certs, args.ssl_certfile, args.ssl_keyfile) if args.ssl_ca_certs or args.ssl_certfile else None
+        _CONNECTION = Connection((args.target,), args.api_key, tls)
         yield args.target
         return
     from tests.service.harness import Service

@@ -165,8 +165,3 @@ def server_credentials(certfile: str | None, keyfile: str | None, ca_certs: str 
     root = Path(ca_certs).read_bytes() if ca_certs else None
     return grpc.ssl_server_credentials([pair], root_certificates=root, require_client_auth=root is not None)
 
-
-def channel_credentials(ca_certs: str | None = None, certfile: str | None = None, keyfile: str | None = None) -> grpc.ChannelCredentials:
-    """The client side: trust `ca_certs` (default: the system's roots); present a client certificate for mutual TLS."""
-    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    return grpc.ssl_channel_credentials(read(ca_certs), read(keyfile), read(certfile))

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.auth import channel_credentials
+from pagoda.client.connection import TLSConfig
 from tests.service.certs import make_pki
 from tests.service.harness import SERVICE, Service, collect, greedy_request
 
@@ -51,6 +51,10 @@ def service(pki, tmp_path_factory):
         channel_credentials=creds, api_key=ALICE,
     ) as svc:
         yield svc
+
+
+def channel_credentials(ca: str, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:
+    return TLSConfig.from_files(ca, cert, key).credentials()
 
 
 def stub_with(svc: Service, pki, key: str | None) -> pb_grpc.GenerationStub:
