@@ -34,6 +34,7 @@ from typing import Callable
 from transformers import PreTrainedTokenizerBase
 
 from pagoda import __version__
+from pagoda.link_security import LinkKeys
 from pagoda.step import StepPlan, StepResult
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.client_stream import ClientStream
@@ -86,11 +87,13 @@ class WaitingQueue:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase, bind: str):
+    def __init__(
+        self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase, bind: str, link_keys: LinkKeys | None = None
+    ):
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = Metrics(self.snapshot)
-        self.pool = ExecutorPool(config, bind, self.metrics, self._on_joined, self._on_lost)
+        self.pool = ExecutorPool(config, bind, self.metrics, self._on_joined, self._on_lost, link_keys)
         self.queue = WaitingQueue()
         self.requests: dict[str, list[SampleOwner] | list[BeamOwner]] = {}  # client request id -> owners
         self.owners = Owners()  # core request id -> owner
@@ -284,7 +287,12 @@ class Engine:
     def _update(self, handle: ExecutorHandle, plan: StepPlan, result: StepResult) -> None:
         """Apply one step: tokens to their owners, preempted requests back to the queue."""
         scheduler = handle.scheduler
-        for update in scheduler.update_from_output(plan, result):
+        try:
+            updates = scheduler.update_from_output(plan, result)
+        except ValueError as exc:  # a result that does not answer the plan; the core changed nothing
+            self.pool.reject(handle, str(exc))
+            return
+        for update in updates:
             owner = self.owners.get(update.req_id)
             if owner is None:
                 continue

@@ -1,6 +1,8 @@
 """The executors: registration, heartbeats, the monitor, retirement and routing.
 
-The pool is the ZeroMQ link's listener. Each registered executor is an `ExecutorHandle`
+The pool is the ZeroMQ link's listener: every callback gets the executor id of the
+authenticated connection the message came on (scheduler_svc/link.py drops messages that
+name another executor), never trusting an id inside a message. Each registered executor is an `ExecutorHandle`
 with its own core `Scheduler` (its running requests and KV blocks). The pool knows
 nothing of client requests: it tells the engine when an executor joins
 (`on_joined(handle)`) and when one is gone, with its unfinished requests drained, tokens
@@ -18,11 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pagoda import wire
+from pagoda.link_security import LinkKeys
 from pagoda.step import StepPlan, StepResult
 from pagoda.v1 import executor_pb2 as xpb
 from scheduler_svc.core import Request, Scheduler, SchedulerConfig
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.metrics import Metrics
+from scheduler_svc.result_check import sampled_values_problem
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,9 @@ class EngineConfig:
     executor_timeout_s: float = 2.0
     no_executor_wait_s: float = 30.0
     async_scheduling: bool = True  # plan step N+1 while step N runs
+    # security (#13): what an executor may claim and return
+    vocab_size: int | None = None  # None: token ids are not range-checked
+    max_kv_blocks: int = 2**24  # largest num_kv_blocks a Register may announce
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests"):
@@ -89,9 +96,10 @@ class ExecutorPool:
         metrics: Metrics,
         on_joined: Callable[[ExecutorHandle], None],
         on_lost: Callable[[ExecutorHandle, list[Request]], None],
+        link_keys: LinkKeys | None = None,
     ) -> None:
         self.config = config
-        self.link = ExecutorLink(bind, self)
+        self.link = ExecutorLink(bind, self, keys=link_keys, registry=metrics.registry)
         self.metrics = metrics
         self.executors: dict[str, ExecutorHandle] = {}
         self.num_preemptions_retired = 0  # preemptions counted by executors that are gone
@@ -123,7 +131,7 @@ class ExecutorPool:
         loads = {h.executor_id: h.load() for h in fits}
         least = min(loads.values())
         hits = {
-            h.executor_id: h.scheduler.kv_cache_manager.num_prefix_cached_tokens(first.all_token_ids)
+            h.executor_id: h.scheduler.kv_cache_manager.num_prefix_cached_tokens(first.all_token_ids, first.cache_salt)
             for h in fits
             if loads[h.executor_id] <= least + _prefix_routing_slack(least)
         }
@@ -159,7 +167,24 @@ class ExecutorPool:
             self.kill(handle, f"step failed: {msg.error}")
             return
         result: StepResult = wire.result_from_proto(msg)
+        problem = sampled_values_problem(result, self.config.vocab_size) if self.config.vocab_size else ""
+        if problem:
+            self.reject(handle, problem)
+            return
         future.set_result(result)
+
+    def reject(self, handle: ExecutorHandle, problem: str) -> None:
+        """security (#13): `handle` broke the step protocol: end its session for good, move its requests.
+
+        Its requests resume elsewhere from the tokens accepted before the bad result; the
+        link ignores it from now on, and it is told to shut down.
+        """
+        log.error("executor %s sent an invalid step result, dropping it: %s", handle.executor_id, problem)
+        self.link.ban(handle.executor_id)
+        self.kill(handle, f"invalid step result: {problem}")
+        asyncio.ensure_future(
+            self.link.send(handle.executor_id, xpb.SchedulerMessage(shutdown=xpb.Shutdown(reason=problem)))
+        )
 
     # ---- life cycle -----------------------------------------------------------------------
     async def stop(self) -> None:
@@ -168,8 +193,8 @@ class ExecutorPool:
             self._retire(handle)
         self.link.close()
 
-    def on_hello(self, msg: xpb.Hello) -> None:
-        asyncio.ensure_future(self.link.send(msg.executor_id, self._config_message()))
+    def on_hello(self, executor_id: str, msg: xpb.Hello) -> None:
+        asyncio.ensure_future(self.link.send(executor_id, self._config_message()))
 
     def _config_message(self) -> xpb.SchedulerMessage:
         return xpb.SchedulerMessage(
@@ -182,15 +207,15 @@ class ExecutorPool:
             )
         )
 
-    def on_register(self, msg: xpb.Register) -> None:
+    def on_register(self, executor_id: str, msg: xpb.Register) -> None:
         problem = self._registration_problem(msg)
         if problem:
-            log.error("refusing executor %s: %s", msg.executor_id, problem)
+            log.error("refusing executor %s: %s", executor_id, problem)
             asyncio.ensure_future(
-                self.link.send(msg.executor_id, xpb.SchedulerMessage(shutdown=xpb.Shutdown(reason=problem)))
+                self.link.send(executor_id, xpb.SchedulerMessage(shutdown=xpb.Shutdown(reason=problem)))
             )
             return
-        old = self.executors.get(msg.executor_id)
+        old = self.executors.get(executor_id)
         if old is not None:
             self.kill(old, "re-registered")
         budget = self.config.step_budget(msg.device)
@@ -204,11 +229,11 @@ class ExecutorPool:
                 enable_prefix_caching=self.config.enable_prefix_caching,
             )
         )
-        handle = ExecutorHandle(msg.executor_id, msg.device, core, last_seen=time.monotonic())
-        self.executors[msg.executor_id] = handle
+        handle = ExecutorHandle(executor_id, msg.device, core, last_seen=time.monotonic())
+        self.executors[executor_id] = handle
         log.info(
             "executor %s registered: %s, %d KV blocks, steps of up to %d tokens",
-            msg.executor_id, msg.device, msg.num_kv_blocks, budget,
+            executor_id, msg.device, msg.num_kv_blocks, budget,
         )
         self._on_joined(handle)
 
@@ -223,17 +248,19 @@ class ExecutorPool:
             return f"block size {msg.block_size} differs from the scheduler's {self.config.block_size}"
         if msg.num_kv_blocks < 2:
             return f"num_kv_blocks {msg.num_kv_blocks} is too small"
+        if msg.num_kv_blocks > self.config.max_kv_blocks:
+            return f"num_kv_blocks {msg.num_kv_blocks} exceeds the scheduler's --max-kv-blocks {self.config.max_kv_blocks}"
         return ""
 
-    def on_heartbeat(self, msg: xpb.Heartbeat) -> None:
-        handle = self.executors.get(msg.executor_id)
+    def on_heartbeat(self, executor_id: str, msg: xpb.Heartbeat) -> None:
+        handle = self.executors.get(executor_id)
         if handle is not None:
             handle.last_seen = time.monotonic()
         else:  # we restarted, or declared it dead: it must register anew
-            asyncio.ensure_future(self.link.send(msg.executor_id, self._config_message()))
+            asyncio.ensure_future(self.link.send(executor_id, self._config_message()))
 
-    def on_goodbye(self, msg: xpb.Goodbye) -> None:
-        handle = self.executors.get(msg.executor_id)
+    def on_goodbye(self, executor_id: str, msg: xpb.Goodbye) -> None:
+        handle = self.executors.get(executor_id)
         if handle is not None:
             self.kill(handle, f"said goodbye: {msg.reason}")
 

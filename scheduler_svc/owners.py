@@ -71,6 +71,7 @@ class SampleOwner:
                 eos_token_ids=params.eos_token_ids,
                 priority=params.priority,
                 arrival_time=now,
+                cache_salt=params.cache_salt,
             )
             owners.append(cls(stream, sample, request, metrics))
         return owners
@@ -138,6 +139,7 @@ class BeamOwner:
             ),
             priority=params.priority,
             arrival_time=time.monotonic(),
+            cache_salt=params.cache_salt,
         )
         return cls(stream, search, metrics)
 
