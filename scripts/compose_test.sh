@@ -6,7 +6,8 @@
 #      image must come out the same (the stubs are not part of the build context)
 #   2. up: scheduler + 2 executors + gateway, host networking (docker/compose_host.sh)
 #   3. wait for grpc.health.v1 SERVING (container health check and host client), stream a request,
-#      ask the gateway with the `openai` package
+#      ask the gateway with the `openai` package; an executor container started without the
+#      cluster secret must not register (security, #13)
 #   4. scale to 3 executors with the README's command *in another environment*: the scheduler
 #      and the running executors must not be recreated; then several streams, `docker kill` one
 #      executor mid-stream, check that every stream completes with all its tokens
@@ -143,6 +144,27 @@ out=$("$PY" docker/compose_client.py gateway --target "$TARGET" --gateway "http:
   --timeout 180) || { echo "$out"; exit 1; }
 echo "$out" | sed 's/^/    /'
 record "gateway: $(echo "$out" | grep 'SUMMARY' | sed 's/client: SUMMARY //')"
+
+# --- security (#13): a container without the cluster secret cannot register ---------------------
+if [ "$NETWORK" = host ]; then
+  NET_ARGS=(--network host); LINK=tcp://127.0.0.1:$PAGODA_EXECUTOR_PORT
+else
+  NET_ARGS=(--network "${PROJECT}_default"); LINK=tcp://scheduler:$PAGODA_EXECUTOR_PORT
+fi
+# The model cache (not secret) spares it the GGUF conversion; the cluster-secret volume it does not get.
+intruder=$(docker run -d "${NET_ARGS[@]}" -v "${PROJECT}_model-cache:/var/cache/pagoda" -e PAGODA_SCHEDULER="$LINK" \
+  -e PAGODA_DEVICE=cpu -e PAGODA_NUM_THREADS=1 -e PAGODA_KV_CACHE_MEMORY_GB=0.25 "$PAGODA_IMAGE" python -m executor_svc)
+for _ in $(seq 1 180); do  # its Hello is out once it says it waits; then give the scheduler 10 s to answer
+  docker logs "$intruder" 2>&1 | grep -q 'waiting for the scheduler' && break
+  sleep 1
+done
+sleep 10
+intruder_log=$(docker logs "$intruder" 2>&1); docker rm -f "$intruder" >/dev/null
+echo "$intruder_log" | grep -q 'waiting for the scheduler' || { echo "$intruder_log" | tail -20; exit 1; }
+if echo "$intruder_log" | grep -q 'registered'; then echo "$intruder_log" | tail -20; log "a container without the secret registered"; exit 1; fi
+"$PY" docker/compose_client.py wait --target "$TARGET" --executors 2 --exact --timeout 30
+rejected=$("${DC[@]}" logs --no-color scheduler 2>&1 | grep -c 'failed the CURVE handshake' || true)
+record "security: an executor container without the cluster secret got no answer and did not register (still 2 executors; $rejected CURVE handshakes refused)"
 
 # --- 4. scale to three (README's command, another environment), kill one mid-stream --------------
 ids() { docker ps -q --no-trunc --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=$1" | sort; }
