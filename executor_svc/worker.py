@@ -86,11 +86,16 @@ class Worker:
             self._sock.close(linger=1000)
             self._ctx.term()
 
-    def _link_socket(self, identity: str, linger_ms: int) -> zmq.Socket:
-        """A DEALER to the scheduler with routing id `identity` (the scheduler knows us by it), CURVE when keyed."""
+    def _link_socket(self, identity: str, linger_ms: int, sndhwm: int | None = None) -> zmq.Socket:
+        """A DEALER to the scheduler with routing id `identity` (the scheduler knows us by it), CURVE when keyed.
+
+        Every option is set before connect: ZeroMQ applies HWMs and keys to connections made after.
+        """
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, linger_ms)
+        if sndhwm is not None:
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
         link_security.configure_client(sock, self.config.link_keys)
         sock.connect(self.config.scheduler)
         return sock
@@ -188,8 +193,7 @@ class Worker:
             return pb.StepResult(step_id=plan_msg.step_id, error=traceback.format_exc(limit=5))
 
     def _heartbeat_loop(self) -> None:
-        sock = self._link_socket(f"{self.executor_id}/hb", linger_ms=0)
-        sock.setsockopt(zmq.SNDHWM, 4)
+        sock = self._link_socket(f"{self.executor_id}/hb", linger_ms=0, sndhwm=4)
         try:
             while not self._stop.wait(self.config.heartbeat_interval_s):
                 beat = pb.Heartbeat(executor_id=self.executor_id, last_step_id=self._last_step_id, token=self._heartbeat_token)
