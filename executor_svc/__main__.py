@@ -34,6 +34,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--kv-cache-memory-gb", type=float, default=1.0, help="CPU only: KV cache size when --num-kv-blocks is not set")
     add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     add_flag(p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    add_flag(
+        p,
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "gguf", "int8"],
+        help="weights in memory: auto = a .gguf model's blocks kept as they are on a float32 CPU replica (gguf), "
+        "else as loaded (none); none dequantizes a .gguf model; int8 = 8-bit per-channel (CPU)",
+    )
     add_flag(p, "--num-threads", type=int, default=None, help="torch CPU threads (default: one per physical core; idle threads sleep)")
     add_flag(p, "--executor-id", default="", help="default: host-pid-random")
     add_flag(
@@ -57,7 +65,7 @@ def main(argv=None) -> int:
         # Triton kernels on the CPU run in Triton's interpreter, chosen before triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model_dir = model_files.resolve_model(args.model)
+    model_dir = model_files.resolve_model(args.model, weights=False)  # a GGUF file is read as it is
 
     def make_runner(config):
         import torch
@@ -87,6 +95,7 @@ def main(argv=None) -> int:
             num_threads=num_threads,
             kv_cache_dtype=args.kv_cache_dtype,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            quantization=args.quantization,
         )
 
     try:

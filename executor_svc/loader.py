@@ -3,6 +3,10 @@
 Only the config is read through transformers (`AutoConfig`, local directory, no hub);
 weights are streamed tensor by tensor from safetensors straight into the model's
 parameters, on the target device and dtype. No transformers model is instantiated.
+A directory that stands for a GGUF file (`pagoda.model_files.gguf_source`), or the file
+itself, is read by `executor_svc.quant.gguf_loader`: its blocks kept (`quantization="gguf"`)
+or dequantized as transformers does (`"none"`). `"int8"` then requantizes every linear layer
+(`executor_svc.quant.int8_linear`).
 
 Supported: Llama-family decoders (`LlamaForCausalLM`, `MistralForCausalLM`,
 `Qwen2ForCausalLM`): q/k/v bias (Qwen2), tied or untied embeddings, RoPE types whose
@@ -19,7 +23,6 @@ Checkpoint names map onto the merged projections::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -29,6 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from pagoda.model_files import gguf_source
+
 if TYPE_CHECKING:
     from executor_svc.model import DecoderModel
 
@@ -36,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+QUANTIZATIONS = ("none", "gguf", "int8")
 
 
 class UnsupportedModelError(ValueError):
@@ -75,9 +81,14 @@ class ModelConfig:
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
+    """The config of a Hugging Face directory or (read by transformers from its metadata) a .gguf file."""
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    model_dir = Path(model_dir)
+    if model_dir.suffix == ".gguf":
+        hf = AutoConfig.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name, local_files_only=True)
+    else:
+        hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     by_model_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
     architecture = (getattr(hf, "architectures", None) or [by_model_type.get(hf.model_type, hf.model_type)])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -156,52 +167,79 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def fingerprint(model_dir: str | Path) -> str:
-    """Identifies a checkpoint: hash of config.json and the weight files' names and sizes."""
-    model_dir = Path(model_dir)
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for path in weight_files(model_dir):
-        digest.update(f"{path.name}:{path.stat().st_size};".encode())
-    return digest.hexdigest()[:32]
+def load_model(
+    model_dir: str | Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
+) -> DecoderModel:
+    """Build the decoder on `device` in `dtype` (no random init) and fill it from the checkpoint.
 
-
-def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> DecoderModel:
-    """Build the decoder on `device` in `dtype` (no random init) and fill it from the checkpoint."""
+    `quantization`: "none" (weights in `dtype`), "gguf" (a GGUF file's blocks kept as they are,
+    CPU float32 only) or "int8" (every linear layer requantized to int8, CPU only).
+    """
     from executor_svc.model import DecoderModel
 
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}: expected one of {QUANTIZATIONS}")
+    model_dir = Path(model_dir)
+    gguf_file = model_dir if model_dir.suffix == ".gguf" else gguf_source(model_dir)
+    if quantization == "gguf" and gguf_file is None:
+        raise UnsupportedModelError(f"{model_dir}: quantization 'gguf' needs a .gguf model")
+    if quantization != "none" and (device.type != "cpu" or dtype != torch.float32):
+        raise UnsupportedModelError(f"quantization {quantization!r} runs on the CPU in float32, not {device} {dtype}")
     config = load_config(model_dir)
-    with torch.device("meta"):
-        model = DecoderModel(config, dtype=dtype)
-    model = model.to_empty(device=device)
-    model.init_buffers()
-    load_weights(model, model_dir)
+    if gguf_file is not None:
+        from executor_svc.quant.gguf_loader import load_gguf_model
+
+        model = load_gguf_model(gguf_file, config, device, dtype, keep_blocks=quantization == "gguf")
+    else:
+        with torch.device("meta"):
+            model = DecoderModel(config, dtype=dtype)
+        model = model.to_empty(device=device)
+        model.init_buffers()
+        load_weights(model, model_dir)
+    if quantization == "int8":
+        from executor_svc.quant.int8_linear import quantize_linears
+
+        quantize_linears(model)
     return model.eval()
 
 
 def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
-    """Copy every checkpoint tensor into `model`; every parameter must be filled exactly once."""
+    """Copy every safetensors tensor of the checkpoint into `model` (see `fill_parameters`)."""
+
+    def tensors():
+        for path in weight_files(model_dir):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    yield f"{path.name}: {name}", name, lambda f=f, name=name: f.get_tensor(name)
+
+    fill_parameters(model, tensors(), str(model_dir))
+
+
+def fill_parameters(model: torch.nn.Module, tensors, source: str) -> None:
+    """Copy checkpoint tensors into `model`'s parameters; every parameter must be filled exactly once.
+
+    `tensors` yields (where, checkpoint name in Hugging Face's naming, a function returning the tensor).
+    """
     config: ModelConfig = model.config
     params = dict(model.named_parameters())  # a tied lm_head is embed_tokens, listed once
     rows_filled = dict.fromkeys(params, 0)
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                target = _target(name, config)
-                if target is None:
-                    continue
-                param_name, row_start = target
-                if param_name not in params:
-                    raise UnsupportedModelError(f"{path.name}: tensor {name} has no place in the model")
-                tensor = f.get_tensor(name)
-                param = params[param_name].data
-                rows = param if row_start is None else param.narrow(0, row_start, tensor.shape[0])
-                if rows.shape != tensor.shape:
-                    raise UnsupportedModelError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
-                rows.copy_(tensor)
-                rows_filled[param_name] += tensor.shape[0]
+    for where, name, read in tensors:
+        target = _target(name, config)
+        if target is None:
+            continue
+        param_name, row_start = target
+        if param_name not in params:
+            raise UnsupportedModelError(f"{where}: tensor {name} has no place in the model")
+        tensor = read()
+        param = params[param_name].data
+        rows = param if row_start is None else param.narrow(0, row_start, tensor.shape[0])
+        if rows.shape != tensor.shape:
+            raise UnsupportedModelError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
+        rows.copy_(tensor)
+        rows_filled[param_name] += tensor.shape[0]
     missing = [name for name, param in params.items() if rows_filled[name] != param.shape[0]]
     if missing:
-        raise UnsupportedModelError(f"checkpoint {model_dir} does not fill {len(missing)} tensors, e.g. {missing[:3]}")
+        raise UnsupportedModelError(f"checkpoint {source} does not fill {len(missing)} tensors, e.g. {missing[:3]}")
 
 
 _STACKED = {
@@ -231,3 +269,12 @@ def _target(name: str, config: ModelConfig) -> tuple[str, int | None] | None:
             offsets = (0, config.intermediate_size)
         return f"layers.{layer}.{merged}.{rest[2]}", offsets[index]
     return f"layers.{layer}.{'.'.join(rest[-2:])}", None
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Resident bytes of the model's weights: parameters and buffers, each storage once (tied weights share one)."""
+    storages: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta":
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())

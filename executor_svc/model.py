@@ -159,11 +159,11 @@ class DecoderModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype  # the embedding may be a quantized module without `.weight`
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def init_buffers(self) -> None:
         """Rotary tables [max_position_embeddings, head_dim // 2] in float32, as transformers computes them."""
@@ -178,13 +178,16 @@ class DecoderModel(nn.Module):
         """Replace every projection and the LM head by a `PackedLinear` (see `can_pack_for_cpu`).
 
         A tied LM head gets its own packed copy of the embedding (which lookups still read).
+        Layers held some other way (quantized) are left as they are.
         """
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 linear = getattr(layer, name)
-                setattr(layer, name, PackedLinear(linear.weight, linear.bias))
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head = PackedLinear(head, None)
+                if type(linear) is nn.Linear:
+                    setattr(layer, name, PackedLinear(linear.weight, linear.bias))
+        if self.lm_head is None or type(self.lm_head) is nn.Linear:
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.lm_head = PackedLinear(head, None)
 
     def forward(
         self,

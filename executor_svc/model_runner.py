@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata, get_backend
-from executor_svc.loader import fingerprint, load_model
+from executor_svc.loader import load_model, weight_bytes
 from executor_svc.model import DecoderModel, can_pack_for_cpu
 from executor_svc.sampler import Sampler, SamplingRow
+from pagoda.model_files import fingerprint, gguf_source
 from pagoda.step import NewRequestData, SampledToken, SamplingParams, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def resolve_quantization(quantization: str, model_dir: Path, device: torch.device, dtype: torch.dtype) -> str:
+    """"auto": a GGUF file's blocks are kept on a float32 CPU replica, anything else is loaded as it is."""
+    if quantization != "auto":
+        return quantization
+    keeps = gguf_source(model_dir) is not None and device.type == "cpu" and dtype == torch.float32
+    return "gguf" if keeps else "none"
+
+
 class ModelRunner:
     """A model replica, its KV cache and the state of the requests it holds."""
 
@@ -117,6 +126,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 8192,
         kv_cache_dtype: str = "auto",
         pack_weights: bool | None = None,
+        quantization: str = "auto",
     ) -> None:
         self._device = resolve_device(device)
         if num_threads:  # else torch's default: one thread per physical core
@@ -124,9 +134,11 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.dtype = resolve_dtype(dtype, self._device)
         self._block_size = block_size
-        self.model: DecoderModel = load_model(self.model_dir, self._device, self.dtype)
+        self.quantization = resolve_quantization(quantization, self.model_dir, self._device, self.dtype)
+        self.model: DecoderModel = load_model(self.model_dir, self._device, self.dtype, self.quantization)
+        self.weight_bytes = weight_bytes(self.model)
         if pack_weights is None:
-            pack_weights = can_pack_for_cpu(self._device, self.dtype)
+            pack_weights = can_pack_for_cpu(self._device, self.dtype) and self.quantization == "none"
         if pack_weights:
             self.model.pack_for_cpu()
         self.config = self.model.config
@@ -152,10 +164,12 @@ class ModelRunner:
             raise ValueError(f"num_kv_blocks {num_kv_blocks}: need at least 2 (block 0 is the null block)")
         self.kv_caches = self._allocate_kv_caches(num_kv_blocks)
         logger.info(
-            "model %s on %s (%s, attention %s): %d KV blocks of %d tokens",
+            "model %s on %s (%s, weights %s: %.1f MiB, attention %s): %d KV blocks of %d tokens",
             self.model_dir,
             self._device,
             self.dtype,
+            self.quantization,
+            self.weight_bytes / 2**20,
             self.attention.name,
             num_kv_blocks,
             block_size,

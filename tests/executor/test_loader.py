@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from pagoda.model_files import fingerprint
+
 from executor_svc.loader import (
     UnsupportedModelError,
-    fingerprint,
     load_config,
     load_model,
     weight_files,

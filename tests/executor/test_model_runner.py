@@ -182,9 +182,9 @@ def test_properties(default_runner, default_model_dir):
     assert default_runner.num_kv_blocks == 256
     assert default_runner.vocab_size == 49152
     assert default_runner.max_model_len == 8192
-    assert len(default_runner.fingerprint) == 32
+    assert len(default_runner.fingerprint) == 16
     assert default_runner.kv_caches[0][0].shape == (256, 16, 3, 64)
-    from executor_svc.loader import fingerprint
+    from pagoda.model_files import fingerprint
 
     assert fingerprint(default_model_dir) == default_runner.fingerprint
 

@@ -1,0 +1,75 @@
+"""Build a C source of ours once per machine with the system compiler and load it through ctypes.
+
+The CPU kernels (decode attention, GGUF matmul) are plain C, no torch headers: `cc -O3
+-march=native` takes well under a second. The shared library goes to
+`~/.cache/pagoda/kernels/` (or `$PAGODA_CACHE_DIR/kernels`), keyed by the source, the flags,
+the compiler's version and this CPU's flags, so a changed source, compiler or machine builds
+anew and nothing stale is loaded. Where no compiler is found or the build fails, `load()`
+returns None and the caller keeps its torch path; `<env_switch>=0` turns a kernel off (for
+side-by-side runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BASE_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-std=c11")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda")) / "kernels"
+
+
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def build(source: Path, cflags: tuple[str, ...], compiler: str, libs: tuple[str, ...] = ("-lm",)) -> Path:
+    """The shared library of `source` in the cache (built now unless there already)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(cflags + libs), version, cpu_flags()]).encode())
+    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then rename: no half-written .so
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *cflags, "-o", str(built), str(source), *libs], capture_output=True, text=True, check=True)
+        os.replace(built, target)
+    log.info("built %s: %s", source.name, target)
+    return target
+
+
+def load(source: Path, cflags: tuple[str, ...], env_switch: str, what: str, libs: tuple[str, ...] = ("-lm",)) -> ctypes.CDLL | None:
+    """`source` built and loaded, or None (switched off, no compiler, build failed: logged as `what`)."""
+    if os.environ.get(env_switch, "1") == "0":
+        log.info("%s off (%s=0)", what, env_switch)
+        return None
+    compiler = find_compiler()
+    if compiler is None:
+        log.info("no C compiler found: no %s", what)
+        return None
+    try:
+        return ctypes.CDLL(str(build(source, cflags, compiler, libs)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        log.warning("could not build the %s (%s)", what, getattr(e, "stderr", "") or e)
+        return None

@@ -1,0 +1,381 @@
+/* y = x @ W.T with W kept in GGUF blocks, dequantized on the fly, accumulated in float32.
+ *
+ *   W  [N rows][row_bytes]   packed blocks of one GGML type along each row (K weights a row)
+ *   x  [M][K]                float32, contiguous
+ *   y  [M][N]                float32
+ *
+ * Supported: Q4_0, Q4_1, Q8_0 (fused: the block's integers meet x directly, one scale per
+ * block, AVX2 + FMA), Q4_K, Q5_K, Q6_K (each row dequantized into a float buffer on the
+ * stack, then dotted with every row of x). The numbers are those of the dequantized weight
+ * (as the `gguf` package computes it) times x, in float32; only the summation order differs.
+ *
+ *   Q4_1 block (20 bytes): d fp16, m fp16, 16 bytes of nibbles; w[j] = d * q[j] + m, with
+ *   q[j] the low nibble of byte j and q[j + 16] its high nibble. Then
+ *       sum_j w[j] x[j] = d * sum_j q[j] x[j] + m * sum_j x[j],
+ *   and the block sums of x are computed once per call. Q4_0 (18 bytes) is the same with
+ *   m = -8 d; Q8_0 (34 bytes: d, 32 int8) has no m.
+ *
+ * Threads: a small pthread pool of our own (torch's OpenMP runtime is bundled under another
+ * name, so linking libgomp would start a second, competing pool). The calling thread takes
+ * part; workers spin briefly between calls (a decode step calls this ~4 times a layer,
+ * tens of microseconds apart) and then sleep on a condition variable.
+ */
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+enum { QK = 32, QK_K = 256, MAX_K = 65536, M_TILE = 4, MAX_THREADS = 64 };
+
+static inline float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 16 bytes of nibbles -> the block's 32 integers as 4 x 8 floats (low nibbles first). */
+static inline void nibbles(const uint8_t *qs, __m256 q[4]) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static inline void int8s(const uint8_t *qs, __m256 q[4]) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i b = _mm_loadu_si128((const __m128i *)(qs + 16));
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+
+/* Rows [n0, n1) of W against rows [m0, m0 + mt) of x, mt <= M_TILE; xs = block sums of x. */
+static inline __attribute__((always_inline)) void fused_rows(
+    const int type, const uint8_t *restrict w, const int64_t row_bytes, const int64_t K,
+    const float *restrict x, const float *restrict xs, const int64_t mt, float *restrict y,
+    const int64_t N, const int64_t n0, const int64_t n1) {
+    const int64_t nb = K / QK;
+    const int64_t bsize = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : 34;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *row = w + n * row_bytes;
+        __m256 acc[M_TILE];
+        float mins[M_TILE];
+        for (int64_t m = 0; m < mt; ++m) {
+            acc[m] = _mm256_setzero_ps();
+            mins[m] = 0.f;
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = row + b * bsize;
+            __m256 q[4];
+            float mb = 0.f;
+            const float d = fp16(blk);
+            if (type == GGML_Q8_0) {
+                int8s(blk + 2, q);
+            } else if (type == GGML_Q4_1) {
+                mb = fp16(blk + 2);
+                nibbles(blk + 4, q);
+            } else {
+                mb = -8.f * d;
+                nibbles(blk + 2, q);
+            }
+            const __m256 dv = _mm256_set1_ps(d);
+            for (int64_t m = 0; m < mt; ++m) {
+                const float *xb = x + m * K + b * QK;
+                __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+                t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), t);
+                t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), t);
+                t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), t);
+                acc[m] = _mm256_fmadd_ps(t, dv, acc[m]);
+                if (type != GGML_Q8_0) mins[m] += mb * xs[m * nb + b];
+            }
+        }
+        for (int64_t m = 0; m < mt; ++m) y[m * N + n] = hsum(acc[m]) + mins[m];
+    }
+}
+
+/* ---- K-quants: one row dequantized into floats (ported from ggml's dequantize_row_*) ---- */
+
+static inline void k_scale_min(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static void dequant_q4_k(const uint8_t *blk, float *y) { /* 144 bytes: d, dmin, scales[12], qs[128] */
+    const float d = fp16(blk), dmin = fp16(blk + 2);
+    const uint8_t *scales = blk + 4, *q = blk + 16;
+    int is = 0;
+    for (int j = 0; j < QK_K; j += 64) {
+        uint8_t sc, m;
+        k_scale_min(is, scales, &sc, &m);
+        const float d1 = d * sc, m1 = dmin * m;
+        k_scale_min(is + 1, scales, &sc, &m);
+        const float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; ++l) *y++ = d1 * (q[l] & 0xF) - m1;
+        for (int l = 0; l < 32; ++l) *y++ = d2 * (q[l] >> 4) - m2;
+        q += 32;
+        is += 2;
+    }
+}
+
+static void dequant_q5_k(const uint8_t *blk, float *y) { /* 176 bytes: d, dmin, scales[12], qh[32], qs[128] */
+    const float d = fp16(blk), dmin = fp16(blk + 2);
+    const uint8_t *scales = blk + 4, *qh = blk + 16, *ql = blk + 48;
+    int is = 0;
+    uint8_t u1 = 1, u2 = 2;
+    for (int j = 0; j < QK_K; j += 64) {
+        uint8_t sc, m;
+        k_scale_min(is, scales, &sc, &m);
+        const float d1 = d * sc, m1 = dmin * m;
+        k_scale_min(is + 1, scales, &sc, &m);
+        const float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; ++l) *y++ = d1 * ((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+        for (int l = 0; l < 32; ++l) *y++ = d2 * ((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+        ql += 32;
+        is += 2;
+        u1 <<= 2;
+        u2 <<= 2;
+    }
+}
+
+static void dequant_q6_k(const uint8_t *blk, float *y) { /* 210 bytes: ql[128], qh[64], scales[16] int8, d */
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    const float d = fp16(blk + 208);
+    for (int n = 0; n < QK_K; n += 128) {
+        for (int l = 0; l < 32; ++l) {
+            const int is = l / 16;
+            const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = d * sc[is] * q1;
+            y[l + 32] = d * sc[is + 2] * q2;
+            y[l + 64] = d * sc[is + 4] * q3;
+            y[l + 96] = d * sc[is + 6] * q4;
+        }
+        y += 128;
+        ql += 64;
+        qh += 32;
+        sc += 8;
+    }
+}
+
+static void dequant_simple(const int type, const uint8_t *blk, float *y) {
+    const float d = fp16(blk);
+    __m256 q[4];
+    const __m256 dv = _mm256_set1_ps(d);
+    if (type == GGML_Q8_0) {
+        int8s(blk + 2, q);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(q[i], dv));
+        return;
+    }
+    if (type == GGML_Q4_1) {
+        const __m256 mv = _mm256_set1_ps(fp16(blk + 2));
+        nibbles(blk + 4, q);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_add_ps(_mm256_mul_ps(q[i], dv), mv));
+        return;
+    }
+    nibbles(blk + 2, q);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(_mm256_sub_ps(q[i], eight), dv));
+}
+
+static int64_t block_bytes(const int type) {
+    switch (type) {
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static int64_t block_weights(const int type) { return type >= GGML_Q4_K ? QK_K : QK; }
+
+static void dequant_row(const int type, const uint8_t *row, const int64_t K, float *out) {
+    const int64_t bw = block_weights(type), bb = block_bytes(type);
+    for (int64_t b = 0; b < K / bw; ++b) {
+        const uint8_t *blk = row + b * bb;
+        float *y = out + b * bw;
+        switch (type) {
+        case GGML_Q4_K: dequant_q4_k(blk, y); break;
+        case GGML_Q5_K: dequant_q5_k(blk, y); break;
+        case GGML_Q6_K: dequant_q6_k(blk, y); break;
+        default: dequant_simple(type, blk, y);
+        }
+    }
+}
+
+static void dequant_rows_dot(const int type, const uint8_t *restrict w, const int64_t row_bytes,
+                             const int64_t K, const float *restrict x, const int64_t M, float *restrict y,
+                             const int64_t N, const int64_t n0, const int64_t n1) {
+    float buf[MAX_K] __attribute__((aligned(32)));
+    for (int64_t n = n0; n < n1; ++n) {
+        dequant_row(type, w + n * row_bytes, K, buf);
+        for (int64_t m = 0; m < M; ++m) {
+            const float *xm = x + m * K;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k += 8) acc = _mm256_fmadd_ps(_mm256_load_ps(buf + k), _mm256_loadu_ps(xm + k), acc);
+            y[m * N + n] = hsum(acc);
+        }
+    }
+}
+
+/* ---- the thread pool ------------------------------------------------------------------- */
+
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t row_bytes, K, M, N;
+    const float *x, *xs;
+    float *y;
+    const int64_t *idx; /* dequantize job: row ids (NULL: rows 0..N-1) */
+    int dequant;
+} job_t;
+
+static job_t g_job;
+static int g_threads = 1; /* including the caller */
+static atomic_int g_generation, g_pending, g_sleepers;
+static pthread_mutex_t g_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_wake = PTHREAD_COND_INITIALIZER;
+static pthread_t g_pool[MAX_THREADS];
+static int g_pool_size;
+static const int64_t SPIN_NS = 200000;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void run_part(const job_t *j, const int part, const int parts) {
+    /* rows in chunks of 8, spread evenly */
+    const int64_t chunks = (j->N + 7) / 8;
+    const int64_t c0 = chunks * part / parts, c1 = chunks * (part + 1) / parts;
+    const int64_t n0 = c0 * 8, n1 = c1 * 8 < j->N ? c1 * 8 : j->N;
+    if (n0 >= n1) return;
+    if (j->dequant) {
+        for (int64_t n = n0; n < n1; ++n) {
+            const int64_t r = j->idx ? j->idx[n] : n;
+            dequant_row(j->type, j->w + r * j->row_bytes, j->K, j->y + n * j->K);
+        }
+        return;
+    }
+    if (j->type == GGML_Q4_0 || j->type == GGML_Q4_1 || j->type == GGML_Q8_0) {
+        for (int64_t m0 = 0; m0 < j->M; m0 += M_TILE) {
+            const int64_t mt = j->M - m0 < M_TILE ? j->M - m0 : M_TILE;
+            const float *x = j->x + m0 * j->K, *xs = j->xs + m0 * (j->K / QK);
+            float *y = j->y + m0 * j->N;
+            switch (mt) { /* constant tile sizes: the accumulators stay in registers */
+            case 1: fused_rows(j->type, j->w, j->row_bytes, j->K, x, xs, 1, y, j->N, n0, n1); break;
+            case 2: fused_rows(j->type, j->w, j->row_bytes, j->K, x, xs, 2, y, j->N, n0, n1); break;
+            case 3: fused_rows(j->type, j->w, j->row_bytes, j->K, x, xs, 3, y, j->N, n0, n1); break;
+            default: fused_rows(j->type, j->w, j->row_bytes, j->K, x, xs, 4, y, j->N, n0, n1);
+            }
+        }
+    } else {
+        dequant_rows_dot(j->type, j->w, j->row_bytes, j->K, j->x, j->M, j->y, j->N, n0, n1);
+    }
+}
+
+static void *worker(void *arg) {
+    const int part = (int)(intptr_t)arg;
+    int seen = atomic_load(&g_generation);
+    for (;;) {
+        int64_t start = now_ns();
+        int spins = 0;
+        while (atomic_load_explicit(&g_generation, memory_order_acquire) == seen) {
+            _mm_pause();
+            if (++spins % 256 == 0 && now_ns() - start > SPIN_NS) {
+                pthread_mutex_lock(&g_mutex);
+                atomic_fetch_add(&g_sleepers, 1);
+                while (atomic_load(&g_generation) == seen) pthread_cond_wait(&g_wake, &g_mutex);
+                atomic_fetch_sub(&g_sleepers, 1);
+                pthread_mutex_unlock(&g_mutex);
+            }
+        }
+        seen = atomic_load(&g_generation);
+        run_part(&g_job, part, g_threads);
+        atomic_fetch_sub_explicit(&g_pending, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+/* Use `threads` threads in all (the caller included). Call once, before any job. */
+int gguf_set_threads(int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    while (g_pool_size < threads - 1) {
+        if (pthread_create(&g_pool[g_pool_size], NULL, worker, (void *)(intptr_t)(g_pool_size + 1))) break;
+        pthread_detach(g_pool[g_pool_size]);
+        ++g_pool_size;
+    }
+    g_threads = g_pool_size + 1 < threads ? g_pool_size + 1 : threads;
+    return g_threads;
+}
+
+static void run_job(void) {
+    const int parts = g_threads;
+    if (parts == 1) {
+        run_part(&g_job, 0, 1);
+        return;
+    }
+    atomic_store(&g_pending, parts - 1);
+    pthread_mutex_lock(&g_mutex);
+    atomic_fetch_add_explicit(&g_generation, 1, memory_order_release);
+    if (atomic_load(&g_sleepers)) pthread_cond_broadcast(&g_wake);
+    pthread_mutex_unlock(&g_mutex);
+    run_part(&g_job, 0, parts);
+    while (atomic_load_explicit(&g_pending, memory_order_acquire) > 0) _mm_pause();
+}
+
+/* ---- entry points (one caller at a time) ------------------------------------------------ */
+
+int gguf_supported(const int type) { return block_bytes(type) != 0; }
+
+int64_t gguf_max_k(void) { return MAX_K; }
+
+/* y[M][N] = x[M][K] @ dequant(W)[N][K].T; xs: scratch of M * K / 32 floats. */
+void gguf_matmul(const int type, const uint8_t *w, const int64_t row_bytes, const int64_t N, const int64_t K,
+                 const float *x, const int64_t M, float *xs, float *y) {
+    if (type == GGML_Q4_0 || type == GGML_Q4_1) {
+        for (int64_t i = 0; i < M * (K / QK); ++i) {
+            const float *p = x + i * QK;
+            float s = 0.f;
+            for (int j = 0; j < QK; ++j) s += p[j];
+            xs[i] = s;
+        }
+    }
+    g_job = (job_t){.type = type, .w = w, .row_bytes = row_bytes, .K = K, .M = M, .N = N, .x = x, .xs = xs, .y = y};
+    run_job();
+}
+
+/* out[i][K] = dequant(W)[idx[i]] for i < n (idx NULL: rows 0..n-1). */
+void gguf_dequantize(const int type, const uint8_t *w, const int64_t row_bytes, const int64_t K,
+                     const int64_t *idx, const int64_t n, float *out) {
+    g_job = (job_t){.type = type, .w = w, .row_bytes = row_bytes, .K = K, .N = n, .y = out, .idx = idx, .dequant = 1};
+    run_job();
+}
