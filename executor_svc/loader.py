@@ -197,9 +197,13 @@ def load_model(
         model.init_buffers()
         load_weights(model, model_dir)
     if quantization == "int8":
+        from executor_svc.quant.gguf_kernel import get_kernel
         from executor_svc.quant.int8_linear import quantize_linears
 
-        quantize_linears(model)
+        kernel = get_kernel()
+        if kernel is None:
+            raise UnsupportedModelError("quantization 'int8' needs the C kernel (no compiler here, or PAGODA_GGUF_KERNEL=0)")
+        quantize_linears(model, kernel)
     return model.eval()
 
 

@@ -28,6 +28,8 @@ SOURCE = Path(__file__).with_name("csrc") / "gguf_matmul.c"
 CFLAGS = (*cbuild.BASE_CFLAGS, "-pthread", "-mavx2", "-mfma", "-mf16c")
 ENV_SWITCH = "PAGODA_GGUF_KERNEL"
 
+I8_ROW = 1000  # the kernel's own int8 layout (not a GGML type): float32 row scale, then int8 values
+
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
@@ -47,7 +49,7 @@ class GGUFKernel:
         self.num_threads = library.gguf_set_threads(max(1, num_threads))
 
     def supports(self, ggml_type: int, in_features: int) -> bool:
-        return bool(self._lib.gguf_supported(ggml_type)) and in_features <= self.max_k and in_features % 8 == 0
+        return bool(self._lib.gguf_supported(ggml_type)) and in_features <= self.max_k and in_features % 32 == 0
 
     def matmul(self, ggml_type: int, packed: torch.Tensor, in_features: int, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 contiguous -> [M, N]; `packed` [N, row_bytes] uint8."""

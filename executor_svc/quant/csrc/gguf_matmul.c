@@ -6,7 +6,8 @@
  *
  * Supported: Q4_0, Q4_1, Q8_0 (fused: the block's integers meet x directly, one scale per
  * block, AVX2 + FMA), Q4_K, Q5_K, Q6_K (each row dequantized into a float buffer on the
- * stack, then dotted with every row of x). The numbers are those of the dequantized weight
+ * stack, then dotted with every row of x), and I8_ROW, Pagoda's own int8 layout for
+ * `--quantization int8` (not a GGML type): a row is its float32 scale, then K int8 values. The numbers are those of the dequantized weight
  * (as the `gguf` package computes it) times x, in float32; only the summation order differs.
  *
  *   Q4_1 block (20 bytes): d fp16, m fp16, 16 bytes of nibbles; w[j] = d * q[j] + m, with
@@ -28,7 +29,7 @@
 #include <string.h>
 #include <time.h>
 
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, I8_ROW = 1000 };
 enum { QK = 32, QK_K = 256, MAX_K = 65536, M_TILE = 4, MAX_THREADS = 64 };
 
 static inline float fp16(const uint8_t *p) {
@@ -71,9 +72,14 @@ static inline __attribute__((always_inline)) void fused_rows(
     const float *restrict x, const float *restrict xs, const int64_t mt, float *restrict y,
     const int64_t N, const int64_t n0, const int64_t n1) {
     const int64_t nb = K / QK;
-    const int64_t bsize = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : 34;
+    const int64_t bsize = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q8_0 ? 34 : 32;
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *row = w + n * row_bytes;
+        float row_scale = 1.f;
+        if (type == I8_ROW) {
+            memcpy(&row_scale, row, 4);
+            row += 4;
+        }
         __m256 acc[M_TILE];
         float mins[M_TILE];
         for (int64_t m = 0; m < mt; ++m) {
@@ -84,8 +90,10 @@ static inline __attribute__((always_inline)) void fused_rows(
             const uint8_t *blk = row + b * bsize;
             __m256 q[4];
             float mb = 0.f;
-            const float d = fp16(blk);
-            if (type == GGML_Q8_0) {
+            const float d = type == I8_ROW ? 1.f : fp16(blk);
+            if (type == I8_ROW) {
+                int8s(blk, q);
+            } else if (type == GGML_Q8_0) {
                 int8s(blk + 2, q);
             } else if (type == GGML_Q4_1) {
                 mb = fp16(blk + 2);
@@ -101,11 +109,11 @@ static inline __attribute__((always_inline)) void fused_rows(
                 t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), t);
                 t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), t);
                 t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), t);
-                acc[m] = _mm256_fmadd_ps(t, dv, acc[m]);
-                if (type != GGML_Q8_0) mins[m] += mb * xs[m * nb + b];
+                acc[m] = type == I8_ROW ? _mm256_add_ps(t, acc[m]) : _mm256_fmadd_ps(t, dv, acc[m]);
+                if (type == GGML_Q4_0 || type == GGML_Q4_1) mins[m] += mb * xs[m * nb + b];
             }
         }
-        for (int64_t m = 0; m < mt; ++m) y[m * N + n] = hsum(acc[m]) + mins[m];
+        for (int64_t m = 0; m < mt; ++m) y[m * N + n] = hsum(acc[m]) * row_scale + mins[m];
     }
 }
 
@@ -203,6 +211,7 @@ static void dequant_simple(const int type, const uint8_t *blk, float *y) {
 
 static int64_t block_bytes(const int type) {
     switch (type) {
+    case I8_ROW: return 32; /* after the row's scale */
     case GGML_Q4_0: return 18;
     case GGML_Q4_1: return 20;
     case GGML_Q8_0: return 34;
@@ -216,6 +225,13 @@ static int64_t block_bytes(const int type) {
 static int64_t block_weights(const int type) { return type >= GGML_Q4_K ? QK_K : QK; }
 
 static void dequant_row(const int type, const uint8_t *row, const int64_t K, float *out) {
+    if (type == I8_ROW) {
+        float scale;
+        memcpy(&scale, row, 4);
+        const int8_t *q = (const int8_t *)(row + 4);
+        for (int64_t k = 0; k < K; ++k) out[k] = q[k] * scale;
+        return;
+    }
     const int64_t bw = block_weights(type), bb = block_bytes(type);
     for (int64_t b = 0; b < K / bw; ++b) {
         const uint8_t *blk = row + b * bb;
@@ -284,7 +300,7 @@ static void run_part(const job_t *j, const int part, const int parts) {
         }
         return;
     }
-    if (j->type == GGML_Q4_0 || j->type == GGML_Q4_1 || j->type == GGML_Q8_0) {
+    if (j->type == GGML_Q4_0 || j->type == GGML_Q4_1 || j->type == GGML_Q8_0 || j->type == I8_ROW) {
         for (int64_t m0 = 0; m0 < j->M; m0 += M_TILE) {
             const int64_t mt = j->M - m0 < M_TILE ? j->M - m0 : M_TILE;
             const float *x = j->x + m0 * j->K, *xs = j->xs + m0 * (j->K / QK);
