@@ -145,6 +145,7 @@ class Worker:
                 max_model_len=runner.max_model_len,
                 vocab_size=runner.vocab_size,
                 heartbeat_token=self._heartbeat_token,
+                weight_bytes=runner.weight_bytes,
             )
         )
         while not self._draining.is_set():

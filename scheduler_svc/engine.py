@@ -172,6 +172,7 @@ class Engine:
                     num_waiting=stats.num_waiting,
                     kv_slots_allocated=stats.kv_slots_allocated,
                     kv_tokens_held=stats.kv_tokens_held,
+                    weight_bytes=handle.weight_bytes,
                 )
             )
         return info

@@ -78,6 +78,7 @@ class ExecutorHandle:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     pending: dict[int, asyncio.Future] = field(default_factory=dict)  # step id -> its result
     task: asyncio.Task | None = None
+    weight_bytes: int = 0  # the model's resident weights, as the executor registered them
 
     def load(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting
@@ -229,7 +230,7 @@ class ExecutorPool:
                 enable_prefix_caching=self.config.enable_prefix_caching,
             )
         )
-        handle = ExecutorHandle(executor_id, msg.device, core, last_seen=time.monotonic())
+        handle = ExecutorHandle(executor_id, msg.device, core, last_seen=time.monotonic(), weight_bytes=msg.weight_bytes)
         self.executors[executor_id] = handle
         log.info(
             "executor %s registered: %s, %d KV blocks, steps of up to %d tokens",

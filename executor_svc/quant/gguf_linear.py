@@ -28,7 +28,7 @@ from executor_svc.quant.gguf_kernel import GGUFKernel
 
 # Above this many rows of x, dequantize + GEMM beats the fused kernel (measured on 2 cores, AVX2:
 # see bench/bench_gguf_matmul.py). PAGODA_GGUF_FUSED_MAX_ROWS overrides it for side-by-side runs.
-FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_FUSED_MAX_ROWS", "8"))
+FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_FUSED_MAX_ROWS", "32"))
 
 
 class GGUFLinear(nn.Module):

@@ -109,7 +109,7 @@ def _teacher_forced_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Te
 def test_int8_quality_bound(default_model_dir, hf_default, prompts):
     """int8 per-channel weights: perplexity within 2 % of float32's and teacher-forced top-1 agreement >= 90 %.
 
-    Measured (weights-only int8, float32 activations): perplexity +0.2 %, agreement ~97 %; greedy
+    Measured (weights-only int8, float32 activations): perplexity 33.29 vs 33.51, agreement 94.6 %; greedy
     runs equal transformers' for the first tokens of every prompt (a near-tie later may fork).
     """
     runner = ModelRunner(default_model_dir, device="cpu", block_size=16, num_kv_blocks=64, quantization="int8")
