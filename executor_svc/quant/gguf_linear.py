@@ -88,6 +88,11 @@ class GGUFEmbedding(nn.Module):
         return self.linear.dequantize(input_ids.long().contiguous())
 
 
-def packed_rows(data: np.ndarray) -> torch.Tensor:
-    """A GGUF reader's memory-mapped block rows, copied into memory we own (uint8 [rows, row_bytes])."""
-    return torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).copy())
+def packed_rows(parts: list[np.ndarray]) -> torch.Tensor:
+    """Block rows (a GGUF reader's memory-mapped arrays) stacked into one uint8 tensor we own, copied once."""
+    out = torch.empty(sum(p.shape[0] for p in parts), parts[0].shape[1], dtype=torch.uint8)
+    start = 0
+    for part in parts:
+        out[start : start + part.shape[0]] = torch.from_numpy(np.ascontiguousarray(part).view(np.uint8))
+        start += part.shape[0]
+    return out

@@ -175,7 +175,7 @@ def _can_keep(f: _File, name: str, kernel) -> bool:
 
 
 def _segments(f: _File, names: list[str]) -> list[tuple[int, torch.Tensor]]:
-    """One (type, rows) segment per run of parts with equal types."""
+    """One (type, rows) segment per run of parts with equal types, each copied once into its own tensor."""
     runs: list[tuple[int, list[np.ndarray]]] = []
     for name in names:
         ggml_type = f.ggml_type(name)
@@ -183,4 +183,4 @@ def _segments(f: _File, names: list[str]) -> list[tuple[int, torch.Tensor]]:
             runs[-1][1].append(f.rows(name))
         else:
             runs.append((ggml_type, [f.rows(name)]))
-    return [(t, packed_rows(np.concatenate(parts) if len(parts) > 1 else parts[0])) for t, parts in runs]
+    return [(t, packed_rows(parts)) for t, parts in runs]
