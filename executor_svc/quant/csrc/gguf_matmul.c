@@ -18,8 +18,8 @@
  *
  * Threads: a small pthread pool of our own (torch's OpenMP runtime is bundled under another
  * name, so linking libgomp would start a second, competing pool). The calling thread takes
- * part; workers spin briefly between calls (a decode step calls this ~4 times a layer,
- * tens of microseconds apart) and then sleep on a condition variable.
+ * part; rows go out in chunks claimed atomically (see the pool below), so a descheduled
+ * worker on a shared machine holds up one chunk, not a fixed share of the matrix.
  */
 #include <immintrin.h>
 #include <pthread.h>
@@ -262,6 +262,12 @@ static void dequant_rows_dot(const int type, const uint8_t *restrict w, const in
 
 /* ---- the thread pool ------------------------------------------------------------------- */
 
+/* Rows are handed out in chunks through one atomic word, (generation << 32) | next chunk:
+ * every thread (the caller too) claims chunks until none is left, so a worker that the OS
+ * has descheduled (shared cores) delays nothing but the chunk it holds. `g_active` counts
+ * workers inside a job; the caller returns only when it is 0, so the job's fields are never
+ * rewritten under a worker. Idle workers spin ~50 us, then sleep on a condition variable. */
+
 typedef struct {
     int type;
     const uint8_t *w;
@@ -270,16 +276,17 @@ typedef struct {
     float *y;
     const int64_t *idx; /* dequantize job: row ids (NULL: rows 0..N-1) */
     int dequant;
+    int64_t chunk_rows, chunks;
 } job_t;
 
 static job_t g_job;
-static int g_threads = 1; /* including the caller */
-static atomic_int g_generation, g_pending, g_sleepers;
+static _Atomic uint64_t g_state; /* (generation << 32) | next chunk */
+static atomic_int g_active, g_sleepers;
 static pthread_mutex_t g_mutex = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_wake = PTHREAD_COND_INITIALIZER;
 static pthread_t g_pool[MAX_THREADS];
-static int g_pool_size;
-static const int64_t SPIN_NS = 200000;
+static int g_pool_size, g_threads = 1; /* g_threads: the caller included */
+static const int64_t SPIN_NS = 50000;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -287,12 +294,7 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static void run_part(const job_t *j, const int part, const int parts) {
-    /* rows in chunks of 8, spread evenly */
-    const int64_t chunks = (j->N + 7) / 8;
-    const int64_t c0 = chunks * part / parts, c1 = chunks * (part + 1) / parts;
-    const int64_t n0 = c0 * 8, n1 = c1 * 8 < j->N ? c1 * 8 : j->N;
-    if (n0 >= n1) return;
+static void run_rows(const job_t *j, const int64_t n0, const int64_t n1) {
     if (j->dequant) {
         for (int64_t n = n0; n < n1; ++n) {
             const int64_t r = j->idx ? j->idx[n] : n;
@@ -317,35 +319,51 @@ static void run_part(const job_t *j, const int part, const int parts) {
     }
 }
 
-static void *worker(void *arg) {
-    const int part = (int)(intptr_t)arg;
-    int seen = atomic_load(&g_generation);
+/* Claim and run chunks of generation `gen` until none is left. */
+static void drain(const uint32_t gen) {
+    uint64_t state = atomic_load_explicit(&g_state, memory_order_acquire);
     for (;;) {
-        int64_t start = now_ns();
+        if ((uint32_t)(state >> 32) != gen || (int64_t)(state & 0xFFFFFFFFu) >= g_job.chunks) return;
+        if (atomic_compare_exchange_weak_explicit(&g_state, &state, state + 1, memory_order_acq_rel, memory_order_acquire)) {
+            const int64_t c = (int64_t)(state & 0xFFFFFFFFu);
+            const int64_t n0 = c * g_job.chunk_rows, n1 = n0 + g_job.chunk_rows < g_job.N ? n0 + g_job.chunk_rows : g_job.N;
+            run_rows(&g_job, n0, n1);
+            state = atomic_load_explicit(&g_state, memory_order_acquire);
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    uint32_t seen = (uint32_t)(atomic_load(&g_state) >> 32);
+    for (;;) {
+        const int64_t start = now_ns();
         int spins = 0;
-        while (atomic_load_explicit(&g_generation, memory_order_acquire) == seen) {
+        uint32_t gen;
+        while ((gen = (uint32_t)(atomic_load_explicit(&g_state, memory_order_acquire) >> 32)) == seen) {
             _mm_pause();
-            if (++spins % 256 == 0 && now_ns() - start > SPIN_NS) {
+            if (++spins % 128 == 0 && now_ns() - start > SPIN_NS) {
                 pthread_mutex_lock(&g_mutex);
                 atomic_fetch_add(&g_sleepers, 1);
-                while (atomic_load(&g_generation) == seen) pthread_cond_wait(&g_wake, &g_mutex);
+                while ((uint32_t)(atomic_load(&g_state) >> 32) == seen) pthread_cond_wait(&g_wake, &g_mutex);
                 atomic_fetch_sub(&g_sleepers, 1);
                 pthread_mutex_unlock(&g_mutex);
             }
         }
-        seen = atomic_load(&g_generation);
-        run_part(&g_job, part, g_threads);
-        atomic_fetch_sub_explicit(&g_pending, 1, memory_order_release);
+        seen = gen;
+        atomic_fetch_add_explicit(&g_active, 1, memory_order_acq_rel);
+        drain(gen);
+        atomic_fetch_sub_explicit(&g_active, 1, memory_order_release);
     }
     return NULL;
 }
 
-/* Use `threads` threads in all (the caller included). Call once, before any job. */
+/* Use `threads` threads in all (the caller included). Call before any job. */
 int gguf_set_threads(int threads) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     while (g_pool_size < threads - 1) {
-        if (pthread_create(&g_pool[g_pool_size], NULL, worker, (void *)(intptr_t)(g_pool_size + 1))) break;
+        if (pthread_create(&g_pool[g_pool_size], NULL, worker, NULL)) break;
         pthread_detach(g_pool[g_pool_size]);
         ++g_pool_size;
     }
@@ -353,19 +371,28 @@ int gguf_set_threads(int threads) {
     return g_threads;
 }
 
-static void run_job(void) {
-    const int parts = g_threads;
-    if (parts == 1) {
-        run_part(&g_job, 0, 1);
+static void run_job(const int64_t work_per_row) {
+    /* chunks of >= 8 rows and ~32k multiply-adds, at most ~8 per thread (fewer claims) */
+    int64_t rows = 32768 / (work_per_row > 0 ? work_per_row : 1);
+    const int64_t per_thread = (g_job.N + 8 * g_threads - 1) / (8 * g_threads);
+    if (rows < per_thread) rows = per_thread;
+    rows = rows < 8 ? 8 : (rows + 7) / 8 * 8;
+    g_job.chunk_rows = rows;
+    g_job.chunks = (g_job.N + rows - 1) / rows;
+    if (g_threads == 1 || g_job.chunks == 1) {
+        run_rows(&g_job, 0, g_job.N);
         return;
     }
-    atomic_store(&g_pending, parts - 1);
+    const uint32_t gen = (uint32_t)(atomic_load(&g_state) >> 32) + 1;
     pthread_mutex_lock(&g_mutex);
-    atomic_fetch_add_explicit(&g_generation, 1, memory_order_release);
+    atomic_store_explicit(&g_state, (uint64_t)gen << 32, memory_order_release);
     if (atomic_load(&g_sleepers)) pthread_cond_broadcast(&g_wake);
     pthread_mutex_unlock(&g_mutex);
-    run_part(&g_job, 0, parts);
-    while (atomic_load_explicit(&g_pending, memory_order_acquire) > 0) _mm_pause();
+    drain(gen);
+    for (int spins = 0; atomic_load_explicit(&g_active, memory_order_acquire) > 0; ++spins) {
+        if (spins < 2048) _mm_pause();
+        else sched_yield(); /* a worker holding a chunk was descheduled: let it run */
+    }
 }
 
 /* ---- entry points (one caller at a time) ------------------------------------------------ */
@@ -386,12 +413,12 @@ void gguf_matmul(const int type, const uint8_t *w, const int64_t row_bytes, cons
         }
     }
     g_job = (job_t){.type = type, .w = w, .row_bytes = row_bytes, .K = K, .M = M, .N = N, .x = x, .xs = xs, .y = y};
-    run_job();
+    run_job(M * K);
 }
 
 /* out[i][K] = dequant(W)[idx[i]] for i < n (idx NULL: rows 0..n-1). */
 void gguf_dequantize(const int type, const uint8_t *w, const int64_t row_bytes, const int64_t K,
                      const int64_t *idx, const int64_t n, float *out) {
     g_job = (job_t){.type = type, .w = w, .row_bytes = row_bytes, .K = K, .N = n, .y = out, .idx = idx, .dequant = 1};
-    run_job();
+    run_job(K);
 }
