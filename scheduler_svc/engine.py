@@ -149,7 +149,7 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """The live figures, for metrics and GetServerInfo."""
         return EngineSnapshot(
-            executors=[ExecutorSnapshot(h.executor_id, h.device, h.alive, h.scheduler.stats()) for h in self.pool.alive],
+            executors=[ExecutorSnapshot(h.executor_id, h.device, h.alive, h.scheduler.stats(), h.weight_bytes) for h in self.pool.alive],
             num_queued=self.queue.num_requests,
             num_preemptions_retired=self.pool.num_preemptions_retired,
         )
@@ -172,7 +172,7 @@ class Engine:
                     num_waiting=stats.num_waiting,
                     kv_slots_allocated=stats.kv_slots_allocated,
                     kv_tokens_held=stats.kv_tokens_held,
-                    weight_bytes=handle.weight_bytes,
+                    weight_bytes=executor.weight_bytes,
                 )
             )
         return info

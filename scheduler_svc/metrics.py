@@ -25,6 +25,7 @@ class ExecutorSnapshot:
     device: str
     healthy: bool
     stats: SchedulerStats
+    weight_bytes: int = 0  # the model's resident weights, as the executor registered them
 
 
 @dataclass(frozen=True)
