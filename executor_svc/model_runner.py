@@ -50,7 +50,10 @@ class PlanError(ValueError):
 
 
 @dataclass
-class RequestState:
+class CachedRequestState:
+    """What the executor keeps of a request between steps; it appends its own sampled tokens, so a
+    plan never carries decode token ids (and a plan sent ahead of the last result needs none)."""
+
     req_id: str
     token_ids: list[int]  # prompt + generated so far
     num_prompt_tokens: int
@@ -59,7 +62,7 @@ class RequestState:
     num_computed_tokens: int
 
     @classmethod
-    def from_new(cls, new: NewRequestData) -> RequestState:
+    def from_new(cls, new: NewRequestData) -> CachedRequestState:
         return cls(
             req_id=new.req_id,
             token_ids=list(new.token_ids),
@@ -151,7 +154,7 @@ class ModelRunner:
         self.kv_cache_dtype = cache_dtype(self.dtype) if cache_dtype else self.dtype
         self._fingerprint = fingerprint(self.model_dir)
         self.sampler = Sampler()
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, CachedRequestState] = {}
         if num_kv_blocks is None:
             if kv_memory_bytes is None:
                 kv_memory_bytes = (
@@ -253,7 +256,7 @@ class ModelRunner:
         for req_id in plan.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in plan.new_requests:
-            self.requests[new.req_id] = RequestState.from_new(new)
+            self.requests[new.req_id] = CachedRequestState.from_new(new)
         for cached in plan.cached_requests:
             self._state(cached.req_id).block_ids.extend(cached.new_block_ids)
 
@@ -341,7 +344,7 @@ class ModelRunner:
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def _state(self, req_id: str) -> RequestState:
+    def _state(self, req_id: str) -> CachedRequestState:
         state = self.requests.get(req_id)
         if state is None:
             raise PlanError(f"request {req_id} is scheduled but the executor holds no state for it")
