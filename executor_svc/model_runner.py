@@ -27,6 +27,7 @@ import torch
 from executor_svc.attention import AttentionBackend, AttentionMetadata, get_backend
 from executor_svc.loader import load_model, weight_bytes
 from executor_svc.model import DecoderModel, can_pack_for_cpu
+from executor_svc.quant.gguf_linear import GGUFLinear
 from executor_svc.sampler import Sampler, SamplingRow
 from pagoda.model_files import fingerprint, gguf_source
 from pagoda.step import NewRequestData, SampledToken, SamplingParams, StepPlan, StepResult
@@ -139,6 +140,8 @@ class ModelRunner:
         self._block_size = block_size
         self.quantization = resolve_quantization(quantization, self.model_dir, self._device, self.dtype)
         self.model: DecoderModel = load_model(self.model_dir, self._device, self.dtype, self.quantization)
+        if self.quantization == "gguf" and not any(isinstance(m, GGUFLinear) for m in self.model.modules()):
+            self.quantization = "none"  # no kernel here (no compiler, or PAGODA_GGUF_KERNEL=0): dequantized at load
         self.weight_bytes = weight_bytes(self.model)
         if pack_weights is None:
             pack_weights = can_pack_for_cpu(self._device, self.dtype) and self.quantization == "none"

@@ -134,3 +134,13 @@ def test_int8_quality_bound(default_model_dir, hf_default, prompts):
     outputs = run_to_completion(runner, builder)
     for req_id, prompt in prompts.items():
         assert outputs[req_id][:4] == hf_greedy(hf_default, prompt, 4)[:4]
+
+
+def test_no_kernel_falls_back_to_float32(gguf_dir, monkeypatch):
+    """Without the kernel (no compiler, or switched off) a GGUF model is dequantized at load and still serves."""
+    from executor_svc.quant import gguf_kernel
+
+    monkeypatch.setattr(gguf_kernel, "_kernel", None)
+    runner = ModelRunner(gguf_dir, device="cpu", block_size=16, num_kv_blocks=16)
+    assert runner.quantization == "none" and runner.weight_bytes > 400 * 2**20
+    assert not any(isinstance(m, GGUFLinear) for m in runner.model.modules())
