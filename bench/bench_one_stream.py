@@ -67,8 +67,8 @@ def _rates(timings: list[Timing], wall_s: float) -> tuple[float, float]:
 # ---- the systems -------------------------------------------------------------------------
 
 class Pagoda:
-    def __init__(self, quantization: str, threads: int) -> None:
-        self.svc = Service(executor_args=["--quantization", quantization, "--num-threads", str(threads)])
+    def __init__(self, quantization: str, threads: int, scheduler_args: list[str]) -> None:
+        self.svc = Service(scheduler_args=scheduler_args, executor_args=["--quantization", quantization, "--num-threads", str(threads)])
 
     def __enter__(self):
         self.svc.start()
@@ -204,11 +204,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--only", default="", help="comma-separated subset of: gguf,fp32,hf,llama.cpp")
+    parser.add_argument("--scheduler-args", default="", help='extra scheduler flags, e.g. "--no-async-scheduling"')
     args = parser.parse_args()
+    sched = args.scheduler_args.split()
     ids = prompt_ids()
     systems = {
-        "Pagoda (GGUF blocks)": ("gguf", lambda: Pagoda("gguf", args.threads), True),
-        "Pagoda (float32)": ("fp32", lambda: Pagoda("none", args.threads), True),
+        "Pagoda (GGUF blocks)": ("gguf", lambda: Pagoda("gguf", args.threads, sched), True),
+        "Pagoda (float32)": ("fp32", lambda: Pagoda("none", args.threads, sched), True),
         "transformers batch 1": ("hf", lambda: Transformers(args.threads), False),
     }
     if args.llama_server:
@@ -227,7 +229,8 @@ def main() -> None:
                 if k in row and row[k][0] > best[k][0]:
                     best[k] = row[k]
     print(machine_line(machine_info()))
-    print(f"prompt {PROMPT_LEN} tokens, {OUTPUT_LEN} output tokens, greedy, ignore_eos; best of {args.rounds} round(s)")
+    print(f"prompt {PROMPT_LEN} tokens, {OUTPUT_LEN} output tokens, greedy, ignore_eos; best of {args.rounds} round(s); "
+          f"scheduler flags: {args.scheduler_args or '(defaults)'}")
     base = results.get("llama.cpp server", {}).get("one_stream", (None,))[0]
     rows = []
     for name, r in results.items():
