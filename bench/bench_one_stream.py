@@ -110,7 +110,10 @@ class LlamaCpp:
                         return self
             except OSError:
                 time.sleep(0.5)
-        raise TimeoutError("llama-server did not start: see /tmp/bench-llama-server.log")
+            if self.proc.poll() is not None:  # e.g. SIGILL: a -march=native build using instructions a VM hides
+                break
+        self.proc.kill()
+        raise TimeoutError(f"llama-server did not start (exit {self.proc.poll()}): see /tmp/bench-llama-server.log")
 
     def __exit__(self, *exc):
         self.proc.terminate()
@@ -221,9 +224,14 @@ def main() -> None:
         for name, (key, make, streams) in systems.items():
             if only and key not in only:
                 continue
-            with make() as system:
-                row = measure(system, ids, streams)
-                row["info"] = system.info()
+            try:
+                with make() as system:
+                    row = measure(system, ids, streams)
+                    row["info"] = system.info()
+            except (OSError, TimeoutError) as e:  # a peer that does not start here: say so, measure the rest
+                print(f"{name}: not measured ({e})", flush=True)
+                continue
+            print(f"{name}: one stream {row['one_stream'][0]:.1f} tok/s; {STREAMS} streams {row.get('streams', ('—',))[0]}", flush=True)
             best = results.setdefault(name, row)
             for k in ("one_stream", "streams"):
                 if k in row and row[k][0] > best[k][0]:
