@@ -59,10 +59,19 @@ class Service:
             [sys.executable, "-m", module, *model, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
 
+    def _spawn_scheduler(self, name: str = "scheduler") -> subprocess.Popen:
+        args = ["--port", str(self.port), "--executor-bind", self.zmq, "--metrics-port", str(self.metrics_port)]
+        return self._spawn("scheduler_svc", [*args, *self.scheduler_args], name)
+
+    def restart_scheduler(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
+        """Stop the scheduler with `sig`, then start a new one on the same ports; executors stay."""
+        self.scheduler.send_signal(sig)
+        self.scheduler.wait(timeout)
+        self.num_scheduler_restarts = getattr(self, "num_scheduler_restarts", 0) + 1
+        self.scheduler = self._spawn_scheduler(f"scheduler{self.num_scheduler_restarts}")
+
     def start(self) -> "Service":
-        self.scheduler = self._spawn(
-            "scheduler_svc", ["--port", str(self.port), "--executor-bind", self.zmq, "--metrics-port", str(self.metrics_port), *self.scheduler_args], "scheduler"
-        )
+        self.scheduler = self._spawn_scheduler()
         for _ in range(self.num_executors):
             self.add_executor()
         self.channel = self.open_channel(self.channel_credentials, self.api_key)
