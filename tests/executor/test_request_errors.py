@@ -103,3 +103,22 @@ def test_a_tiny_temperature_is_greedy(temperature):
 def test_request_errors_round_trip_on_the_wire():
     result = StepResult(step_id=3, errors=[RequestError("r1", "the model produced non-finite logits")])
     assert wire.result_from_proto(wire.result_to_proto(result)) == result
+
+
+def test_a_failed_request_scheduled_again_gets_its_error_again(tiny_model_dirs):
+    """One step planned ahead: the scheduler schedules it once more before it learns of the failure."""
+    from pagoda.step import CachedRequestData
+
+    runner = ModelRunner(tiny_model_dirs["llama"], block_size=16, num_kv_blocks=64)
+    builder = PlanBuilder(num_blocks=64, seed=3)
+    builder.add("ok", PROMPTS["a"], 4, GREEDY)
+    builder.add("bad", PROMPTS["bad"], 4, GREEDY)
+    plan = builder.next_plan()
+    runner.failed["bad"] = "the model produced non-finite logits (NaN or Inf)"  # as if its last step failed
+    result = runner.execute(plan)
+    assert [e.req_id for e in result.errors] == ["bad"] and [t.req_id for t in result.sampled] == ["ok"]
+    again = StepPlan(step_id=plan.step_id + 1, cached_requests=[CachedRequestData("bad", [])], num_scheduled_tokens={"bad": 1, "ok": 1})
+    result = runner.execute(again)
+    assert [e.req_id for e in result.errors] == ["bad"] and [t.req_id for t in result.sampled] == ["ok"]
+    runner.execute(StepPlan(step_id=plan.step_id + 2, finished_req_ids=["bad", "ok"]))
+    assert runner.failed == {} and runner.requests == {}
