@@ -144,8 +144,9 @@ def _send(stub, req: pb.GenerateRequest, cancel: bool, timeout_s: float) -> tupl
     return grpc.StatusCode.OK, ""
 
 
-def run_fuzz(target: str, examples: int, timeout_s: float = 3.0, seed: int | None = 0) -> FuzzReport:
+def run_fuzz(target: str, examples: int, timeout_s: float = 3.0, seed: int | None = 0, progress_every: int = 0) -> FuzzReport:
     """Send `examples` generated batches to `target`; a report of the statuses and the failures."""
+    t0 = time.monotonic()
     report = FuzzReport()
     channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 * 2**20)])
     stub = pb_grpc.GenerationStub(channel)
@@ -165,6 +166,9 @@ def run_fuzz(target: str, examples: int, timeout_s: float = 3.0, seed: int | Non
             report.statuses[code.name] += 1
             if code in FAILURE_CODES:
                 report.failures.append(f"{code.name}: {details[:300]} <- {_describe(req)}")
+        if progress_every and report.examples % progress_every == 0:
+            print(f"{time.monotonic() - t0:6.0f} s: {report.examples} examples, {report.requests} requests, "
+                  f"{len(report.failures)} failures, {dict(report.statuses)}", flush=True)
 
     try:
         check()
@@ -205,12 +209,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None, help="derandomize (any value: hypothesis' fixed seed)")
     args = parser.parse_args()
     if args.target:
-        return _report(run_fuzz(args.target, args.examples, args.timeout, args.seed), args.target, None)
+        return _report(run_fuzz(args.target, args.examples, args.timeout, args.seed, progress_every=500), args.target, None)
     from tests.service.harness import Service
 
     with tempfile.TemporaryDirectory() as tmp, Service(str(tiny_model(Path(tmp))), executor_args=["--num-kv-blocks", "512"]) as svc:
         t0 = time.monotonic()
-        report = run_fuzz(f"127.0.0.1:{svc.port}", args.examples, args.timeout, args.seed)
+        report = run_fuzz(f"127.0.0.1:{svc.port}", args.examples, args.timeout, args.seed, progress_every=500)
         print(f"{report.examples} examples, {report.requests} requests in {time.monotonic() - t0:.0f} s")
         return _report(report, f"127.0.0.1:{svc.port}", svc)
 
