@@ -3,6 +3,13 @@
 Every problem raises InvalidArgument naming the field, e.g.
 `sampling.top_p: must be in (0, 1], got 1.5`.
 
+Two phases, so that the costly one runs off the event loop (`scheduler_svc.prompts`):
+`check_fields` (every field that needs no tokenizer, cheap: limits on everything a client
+sizes — request_id, stop strings, stop_token_ids, logit_bias —, NaN and +-Inf refused in
+every float, and a first bound on the prompt's length from its characters), then
+`prompt_token_ids` (tokenize / chat template), then `build_params` (the checks that need
+the token count). `validate_generate` runs all three inline.
+
 Beam search (`sampling.beam_width` 2..16, `n <= beam_width`) is deterministic: it
 scores raw log-probabilities, so `temperature`, `top_p`, `top_k`, `min_p` and `seed`
 are ignored; penalties, `logit_bias` and stop strings, which would change what it
