@@ -166,12 +166,12 @@ class ExecutorPool:
         future = handle.pending.pop(msg.step_id, None) if handle is not None else None
         if future is None or future.done():
             return
-        handle.scheduled.pop(msg.step_id, None)
         handle.last_seen = time.monotonic()
         if msg.error:
             log.error("executor %s failed step %d: %s", executor_id, msg.step_id, msg.error)
-            self.kill(handle, f"step failed: {msg.error}")
+            self.kill(handle, f"step failed: {msg.error}")  # this step's requests are among the suspects
             return
+        handle.scheduled.pop(msg.step_id, None)
         result: StepResult = wire.result_from_proto(msg)
         problem = sampled_values_problem(result, self.config.vocab_size) if self.config.vocab_size else ""
         if problem:
