@@ -4,6 +4,7 @@
            first sampled token on); every other request is computed as usual
     hang   registers and heartbeats, but never answers a step that schedules any token
     crash  the process dies (exit 3) on a step that holds a request starting with POISON_PROMPT
+    raise  such a step raises: the executor answers it with StepResult.error and lives on
 
 Everything else (flags, handshake, heartbeats) is the real executor's.
 """
@@ -34,20 +35,31 @@ def _poisoned(runner, req_ids) -> bool:
     return any(runner.requests[r].token_ids[: len(POISON_PROMPT)] == POISON_PROMPT for r in req_ids)
 
 
-def _crash() -> None:
-    import os
-
+def _fail_on_poison(fail) -> None:
     from executor_svc.model_runner import ModelRunner
 
     execute = ModelRunner.execute
 
-    def crashing(self, plan):
+    def failing(self, plan):
         ids = [n.req_id for n in plan.new_requests if n.token_ids[: len(POISON_PROMPT)] == POISON_PROMPT]
         if ids or _poisoned(self, [r for r in plan.num_scheduled_tokens if r in self.requests]):
-            os._exit(3)
+            fail()
         return execute(self, plan)
 
-    ModelRunner.execute = crashing
+    ModelRunner.execute = failing
+
+
+def _crash() -> None:
+    import os
+
+    _fail_on_poison(lambda: os._exit(3))
+
+
+def _raise() -> None:
+    def fail():
+        raise RuntimeError("poisoned step")
+
+    _fail_on_poison(fail)
 
 
 def _hang() -> None:
@@ -68,7 +80,7 @@ def main() -> int:
     i = argv.index("--fault")
     fault = argv[i + 1]
     del argv[i : i + 2]
-    {"nan": _nan_rows, "hang": _hang, "crash": _crash}[fault]()
+    {"nan": _nan_rows, "hang": _hang, "crash": _crash, "raise": _raise}[fault]()
     from executor_svc.__main__ import main as executor_main
 
     return executor_main(argv)

@@ -67,14 +67,18 @@ def test_a_hung_executor_loses_its_requests_to_another_after_the_step_timeout(ti
         assert len(svc.server_info().executors) == 1
 
 
-def test_a_request_that_brought_down_two_executors_ends_with_internal(tiny):
+@pytest.mark.parametrize("fault", ["crash", "raise"])
+def test_a_request_that_brought_down_two_executors_ends_with_internal(tiny, fault):
+    """crash: the executor process dies; raise: its step fails (StepResult.error) and it registers again."""
     path, reference = tiny
     with Service(model=str(path), executor_args=["--num-kv-blocks", "128"], num_executors=0) as svc:
         for _ in range(3):
-            svc.add_executor(["--fault", "crash"], module="tests.service.faulty_executor")
+            svc.add_executor(["--fault", fault], module="tests.service.faulty_executor")
         svc.wait_serving(3)
         code, details = _generate(svc, POISON_PROMPT + [9])
         assert code == grpc.StatusCode.INTERNAL and "brought down 2 executors" in details, details
-        assert sum(p.poll() is None for p in svc.executors) == 1  # the third is never tried
+        alive = sum(p.poll() is None for p in svc.executors)
+        assert alive == (1 if fault == "crash" else 3)  # with crash, the third is never tried
+        svc.wait_serving(3 if fault == "raise" else 1)
         for prompt, (code, tokens) in zip(PROMPTS, _all_at_once(svc, PROMPTS)):
             assert code == grpc.StatusCode.OK and tokens == reference[tuple(prompt)]
