@@ -176,6 +176,8 @@ def build_params(
 ) -> GenerateParams:
     """The checks that need the prompt's tokens, then the request's typed parameters."""
     stopping, response = req.stopping, req.response
+    if not prompt_ids:  # found by bench/fuzz.py: text of characters the tokenizer drops, e.g. "\x16"
+        raise InvalidArgument(f"prompt.{req.WhichOneof('prompt')}", "has no tokens once tokenized")
     max_tokens = stopping.max_tokens if stopping.HasField("max_tokens") else None
     problem = fit_error(len(prompt_ids), max_tokens, max_model_len)
     if problem:

@@ -69,3 +69,9 @@ def test_beam_candidates_are_bounded_by_the_vocabulary():
     params = BeamSearchParams(beam_width=2, max_tokens=4, stop_token_ids=frozenset(range(100)), vocab_size=64)
     assert params.num_candidates == 64
     assert BeamSearchParams(beam_width=2, max_tokens=4, stop_token_ids=frozenset({5}), vocab_size=64).num_candidates == 3
+
+
+def test_a_text_of_dropped_characters_only_is_refused(default_tokenizer):
+    tokenizer, spec = default_tokenizer
+    with pytest.raises(InvalidArgument, match="prompt.text: has no tokens once tokenized"):
+        validate_generate(pb.GenerateRequest(text="\x16\x04\x16"), tokenizer, spec, 8192)
