@@ -28,6 +28,7 @@ import grpc  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from bench.common import exit_on_sigterm  # noqa: E402
 from pagoda.v1 import generation_pb2 as pb  # noqa: E402
 from pagoda.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -208,6 +209,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=3.0, help="client deadline of each request, s")
     parser.add_argument("--seed", type=int, default=None, help="derandomize (any value: hypothesis' fixed seed)")
     args = parser.parse_args()
+    exit_on_sigterm()
     if args.target:
         return _report(run_fuzz(args.target, args.examples, args.timeout, args.seed, progress_every=500), args.target, None)
     from tests.service.harness import Service
