@@ -23,6 +23,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "pagoda.v1.Generation"
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (all held open while picked, so none is returned twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,9 +55,8 @@ class Service:
         self.scheduler_args = list(scheduler_args)
         self.executor_args = list(executor_args)
         self.num_executors = num_executors
-        self.port = free_port()
-        self.zmq = f"tcp://127.0.0.1:{free_port()}"
-        self.metrics_port = free_port()
+        self.port, zmq_port, self.metrics_port = free_ports(3)  # distinct: free_port() twice may repeat
+        self.zmq = f"tcp://127.0.0.1:{zmq_port}"
         self.logdir = Path(tempfile.mkdtemp(prefix="pagoda-svc-"))
         self.scheduler: subprocess.Popen | None = None
         self.executors: list[subprocess.Popen] = []
