@@ -45,7 +45,7 @@ def timed_step(runner: ModelRunner, plan: StepPlan, times: dict[str, float]):
         )
         logits = runner.model.compute_logits(hidden, residual, inputs.logits_indices)
         t2 = time.perf_counter()
-        sampled = runner.sample(logits, inputs.sampled_req_ids)
+        sampled, _ = runner.sample(logits, inputs.sampled_req_ids)
         runner.finish_step(plan, sampled)
         t3 = time.perf_counter()
     times["inputs"] += t1 - t0

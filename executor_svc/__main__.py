@@ -17,7 +17,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from pagoda import link_security, model_files  # noqa: E402
-from pagoda.cli import add_flag  # noqa: E402
+from pagoda.cli import StartupError, add_flag, run_main  # noqa: E402
 from executor_svc.worker import Worker, WorkerConfig  # noqa: E402
 
 log = logging.getLogger("executor_svc")
@@ -61,11 +61,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    return run_main("executor_svc", lambda: _serve(args))
+
+
+def _serve(args: argparse.Namespace) -> int:
     if args.attention_backend == "triton" and not _cuda_available(args.device):
         # Triton kernels on the CPU run in Triton's interpreter, chosen before triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model_dir = model_files.resolve_model(args.model, weights=False)  # a GGUF file is read as it is
+    try:
+        model_dir = model_files.resolve_model(args.model, weights=False)  # a GGUF file is read as it is
+        fingerprint = model_files.fingerprint(model_dir)
+        source = model_files.gguf_source(model_dir)
+        weights = [source] if source is not None else sorted(model_dir.glob("*.safetensors"))
+        if not weights:
+            raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+        for path in weights:  # unreadable weights fail here, before we connect, not after the handshake
+            with open(path, "rb") as f:
+                f.read(8)
+    except OSError as exc:
+        raise StartupError(f"cannot read the model {args.model or '(default)'}: {exc} (--model)") from None
 
     def make_runner(config):
         import torch
@@ -98,6 +113,12 @@ def main(argv=None) -> int:
             quantization=args.quantization,
         )
 
+    def load_or_fail(config):
+        try:
+            return make_runner(config)
+        except (OSError, ValueError, KeyError) as exc:  # a corrupt or unsupported checkpoint
+            raise StartupError(f"cannot load the model from {model_dir}: {exc} (--model)") from None
+
     try:
         link_keys = link_security.load_link_keys(args.cluster_secret_file)
     except (OSError, ValueError) as exc:
@@ -108,7 +129,7 @@ def main(argv=None) -> int:
         "CURVE, keys from the cluster secret" if link_keys else "plaintext (no --cluster-secret-file)",
     )
     worker_config = WorkerConfig(scheduler=args.scheduler, executor_id=args.executor_id, link_keys=link_keys)
-    worker = Worker(worker_config, make_runner, model_files.fingerprint(model_dir))
+    worker = Worker(worker_config, load_or_fail, fingerprint)
     return worker.run()
 
 

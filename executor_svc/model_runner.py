@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,7 @@ from executor_svc.model import DecoderModel, can_pack_for_cpu
 from executor_svc.quant.gguf_linear import GGUFLinear
 from executor_svc.sampler import Sampler, SamplingRow
 from pagoda.model_files import fingerprint, gguf_source
-from pagoda.step import NewRequestData, SampledToken, SamplingParams, StepPlan, StepResult
+from pagoda.step import NewRequestData, RequestError, SampledToken, SamplingParams, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ class ModelRunner:
         self._fingerprint = fingerprint(self.model_dir)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.failed: dict[str, str] = {}  # req id -> why it failed alone; not computed again (see sample)
         if num_kv_blocks is None:
             if kv_memory_bytes is None:
                 kv_memory_bytes = (
@@ -222,6 +223,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (the scheduler re-sends them in full); the cache contents are simply stale."""
         self.requests.clear()
+        self.failed.clear()
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self._execute(plan, all_logits=False)[0]
@@ -239,8 +241,9 @@ class ModelRunner:
         if plan.block_copies:
             src_dst = torch.tensor([(c.src, c.dst) for c in plan.block_copies], dtype=torch.int64)
             self.attention.copy_blocks([cache for pair in self.kv_caches for cache in pair], src_dst)
+        plan, earlier_errors = self._skip_failed(plan)
         if plan.total_num_scheduled_tokens == 0:
-            return StepResult(step_id=plan.step_id), {}
+            return StepResult(step_id=plan.step_id, errors=earlier_errors), {}
         inputs = self.prepare_inputs(plan)
         hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attention)
         per_request: dict[str, torch.Tensor] = {}
@@ -251,13 +254,26 @@ class ModelRunner:
             logits = logits_all[inputs.logits_indices]
         else:
             logits = self.model.compute_logits(hidden, residual, inputs.logits_indices)
-        sampled = self.sample(logits, inputs.sampled_req_ids)
+        sampled, errors = self.sample(logits, inputs.sampled_req_ids)
         self.finish_step(plan, sampled)
-        return StepResult(step_id=plan.step_id, sampled=sampled), per_request
+        return StepResult(step_id=plan.step_id, sampled=sampled, errors=earlier_errors + errors), per_request
+
+    def _skip_failed(self, plan: StepPlan) -> tuple[StepPlan, list[RequestError]]:
+        """Requests that failed alone in an earlier step are not computed again.
+
+        With a step planned ahead, the scheduler may schedule one once more before it learns
+        of the failure: it gets the same error again, until it is among `finished_req_ids`.
+        """
+        skipped = [r for r in plan.num_scheduled_tokens if r in self.failed]
+        if not skipped:
+            return plan, []
+        kept = {r: n for r, n in plan.num_scheduled_tokens.items() if r not in self.failed}
+        return replace(plan, num_scheduled_tokens=kept), [RequestError(r, self.failed[r]) for r in skipped]
 
     def update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.failed.pop(req_id, None)
         for new in plan.new_requests:
             self.requests[new.req_id] = CachedRequestState.from_new(new)
         for cached in plan.cached_requests:
@@ -323,11 +339,39 @@ class ModelRunner:
             sampled_req_ids=[req_ids[i] for i in sampled],
         )
 
-    def sample(self, logits: torch.Tensor, req_ids: list[str]) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, req_ids: list[str]) -> tuple[list[SampledToken], list[RequestError]]:
+        """One token per row, or a RequestError for a row that cannot be sampled.
+
+        One bad request fails alone: a row of non-finite logits (NaN or Inf: they would
+        become token 0) is not sampled, and when the sampler fails on the batch each row is
+        sampled alone, so only the rows whose parameters it fails on are lost.
+        """
         if not req_ids:
+            return [], []
+        errors: list[RequestError] = []
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        if not all(finite):
+            keep = [i for i, ok in enumerate(finite) if ok]
+            errors += [RequestError(r, "the model produced non-finite logits (NaN or Inf)") for r, ok in zip(req_ids, finite) if not ok]
+            logits, req_ids = logits[keep], [req_ids[i] for i in keep]
+        rows = [SamplingRow(self.requests[r].sampling, self.requests[r].token_ids, self.requests[r].num_prompt_tokens) for r in req_ids]
+        try:
+            sampled = self._sample_rows(logits, rows, req_ids)
+        except Exception:
+            logger.exception("sampling a batch of %d rows failed: sampling them one by one", len(rows))
+            sampled = []
+            for i, req_id in enumerate(req_ids):
+                try:
+                    sampled += self._sample_rows(logits[i : i + 1], rows[i : i + 1], [req_id])
+                except Exception as exc:
+                    logger.error("sampling request %s failed: %r", req_id, exc)
+                    errors.append(RequestError(req_id, f"sampling failed: {exc!r}"[:500]))
+        self.failed.update((e.req_id, e.message) for e in errors)
+        return sampled, errors
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow], req_ids: list[str]) -> list[SampledToken]:
+        if not rows:
             return []
-        states = [self.requests[r] for r in req_ids]
-        rows = [SamplingRow(s.sampling, s.token_ids, s.num_prompt_tokens) for s in states]
         out = self.sampler(logits, rows)
         return [
             SampledToken(

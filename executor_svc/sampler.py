@@ -151,7 +151,8 @@ class Sampler:
         top: list[list[tuple[int, float]]] = [[] for _ in ids]
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(1, token_ids[logprob_rows].unsqueeze(1)).squeeze(1).tolist()
-            k = max(params[i].top_logprobs for i in logprob_rows)
+            # never more than the vocabulary (a beam asks for beam_width + its stop tokens)
+            k = min(max(params[i].top_logprobs for i in logprob_rows), raw_logprobs.shape[-1])
             top_values, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
             top_values = top_values.tolist() if k else None
             top_ids = top_ids.tolist() if k else None

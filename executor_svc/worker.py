@@ -9,9 +9,20 @@
        │ ◀── StepPlan / StepResult ──▶    │   one step at a time
        │ Heartbeat (own socket, thread) ▶ │   every heartbeat_interval_s
        │ Goodbye ──────────────────────▶ │   on SIGTERM: the scheduler moves our requests
+       │ ◀─────────────── SchedulerStopping │   the scheduler stops: wait for the next one
 
-An unsolicited ExecutorConfig means the scheduler no longer knows us (it restarted, or
-declared us dead after a stall): drop every request's state and register anew.
+The process outlives its scheduler: weights and KV cache are loaded once, and each time
+the scheduler goes away the worker drops every request's state and waits for one to come
+back (up to handshake_timeout_s), then registers again. It learns that the scheduler is
+gone from a SchedulerStopping notice (SIGTERM), or from ZeroMQ itself: ZMTP heartbeats
+(PING/PONG, answered by the scheduler's ZeroMQ I/O thread) drop a connection whose peer is
+dead or unreachable, and a socket monitor reports the disconnection. An unsolicited
+ExecutorConfig means the scheduler no longer knows us (it restarted, or declared us dead
+after a stall): the same, at once. A Shutdown (a scheduler that refuses us: wrong model,
+wrong block size) ends the process.
+
+Both sockets set ZMQ_IMMEDIATE: nothing queues for a scheduler that is not connected, so a
+new scheduler never receives the Hellos, heartbeats or results meant for an old one.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pagoda import link_security, wire
 from pagoda.link_security import LinkKeys
@@ -37,12 +49,17 @@ from pagoda.v1 import executor_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+class SchedulerLost(Exception):
+    """The link to the scheduler dropped (ZeroMQ's heartbeat timed out, or the peer closed)."""
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     scheduler: str = "tcp://127.0.0.1:5557"
     executor_id: str = ""
     heartbeat_interval_s: float = 0.5
-    handshake_timeout_s: float = 600.0
+    handshake_timeout_s: float = 600.0  # how long to wait for a scheduler, at start and after losing one
+    link_timeout_s: float = 3.0  # ZMTP heartbeat: a scheduler silent this long is gone
     link_keys: LinkKeys | None = None  # CURVE keys from the cluster secret; None: plaintext link
 
     def resolved_id(self) -> str:
@@ -61,7 +78,11 @@ class Worker:
         self._ctx = zmq.Context()
         # Our heartbeats carry this, so that no other peer can keep our registration alive.
         self._heartbeat_token = secrets.token_bytes(16)
-        self._sock = self._link_socket(self.executor_id, linger_ms=1000)
+        self._sock = self._link_socket(self.executor_id, linger_ms=1000, link_timeout_s=config.link_timeout_s)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._last_step_id = 0
@@ -70,30 +91,48 @@ class Worker:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._draining.set())
-        config = self._handshake_config()
-        if config is None:
-            return 1
-        self._runner = self._runner_factory(config)
-        if not self._register(config):
-            return 1
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        heartbeat.start()
         try:
-            return self._serve()
+            config = self._handshake_config()
+            if config is None:
+                return 0 if self._draining.is_set() else 1
+            self._runner = self._runner_factory(config)
+            heartbeat.start()
+            while True:
+                if not self._register(config):
+                    return 0 if self._draining.is_set() else 1
+                outcome = self._serve()
+                if isinstance(outcome, int):
+                    return outcome
+                self._runner.reset()  # the scheduler is gone or forgot us; weights and cache stay
+                config = outcome if outcome is not None else self._handshake_config()
+                if config is None:
+                    return 0 if self._draining.is_set() else 1
         finally:
             self._stop.set()
-            heartbeat.join(timeout=2)
+            if heartbeat.is_alive():
+                heartbeat.join(timeout=2)
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(linger=1000)
             self._ctx.term()
 
-    def _link_socket(self, identity: str, linger_ms: int, sndhwm: int | None = None) -> zmq.Socket:
+    def _link_socket(
+        self, identity: str, linger_ms: int, sndhwm: int | None = None, link_timeout_s: float | None = None
+    ) -> zmq.Socket:
         """A DEALER to the scheduler with routing id `identity` (the scheduler knows us by it), CURVE when keyed.
 
         Every option is set before connect: ZeroMQ applies HWMs and keys to connections made after.
+        ZMQ_IMMEDIATE: nothing queues for a scheduler that is not connected (no stale Hellos,
+        beats or results for the next one); `link_timeout_s`: ZMTP heartbeats drop a dead peer.
         """
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, linger_ms)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        if link_timeout_s is not None:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(link_timeout_s * 1000 / 3))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(link_timeout_s * 1000))
         if sndhwm is not None:
             sock.setsockopt(zmq.SNDHWM, sndhwm)
         link_security.configure_client(sock, self.config.link_keys)
@@ -101,11 +140,22 @@ class Worker:
         return sock
 
     # ---- handshake -------------------------------------------------------------------------
-    def _send(self, **kind) -> None:
-        self._sock.send(pb.ExecutorMessage(**kind).SerializeToString())
+    def _send(self, **kind) -> bool:
+        """False when no scheduler is connected (ZMQ_IMMEDIATE: the message is dropped)."""
+        try:
+            self._sock.send(pb.ExecutorMessage(**kind).SerializeToString(), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def _recv(self, timeout_s: float) -> pb.SchedulerMessage | None:
-        if not self._sock.poll(int(timeout_s * 1000)):
+        """The next message, or None after `timeout_s`; raises SchedulerLost if the link dropped."""
+        events = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self._monitor in events:
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                raise SchedulerLost("the connection to the scheduler dropped")
+        if self._sock not in events:
             return None
         msg = pb.SchedulerMessage()
         msg.ParseFromString(self._sock.recv())
@@ -114,20 +164,27 @@ class Worker:
     def _handshake_config(self) -> pb.ExecutorConfig | None:
         deadline = time.monotonic() + self.config.handshake_timeout_s
         while time.monotonic() < deadline and not self._draining.is_set():
-            self._send(hello=pb.Hello(executor_id=self.executor_id))
-            msg = self._recv(2.0)
-            if msg is None:
+            if not self._send(hello=pb.Hello(executor_id=self.executor_id)):
                 log.info("waiting for the scheduler at %s", self.config.scheduler)
+                self._draining.wait(1.0)
+                continue
+            try:
+                msg = self._recv(2.0)
+            except SchedulerLost:
+                continue
+            if msg is None:
                 continue
             if msg.WhichOneof("kind") == "config":
                 return msg.config
             if msg.WhichOneof("kind") == "shutdown":
                 log.error("scheduler refused us: %s", msg.shutdown.reason)
                 return None
-        log.error("no answer from the scheduler at %s", self.config.scheduler)
+        if not self._draining.is_set():
+            log.error("no answer from the scheduler at %s in %g s", self.config.scheduler, self.config.handshake_timeout_s)
         return None
 
     def _register(self, config: pb.ExecutorConfig) -> bool:
+        """Register; False if we cannot serve this scheduler (or are stopping). A lost link tries again."""
         runner = self._runner
         if config.model_fingerprint and config.model_fingerprint != self._fingerprint:
             log.error("scheduler serves model %s, we hold %s", config.model_fingerprint, self._fingerprint)
@@ -135,40 +192,49 @@ class Worker:
         if config.block_size != runner.block_size:
             log.error("scheduler wants block size %d, our cache has %d", config.block_size, runner.block_size)
             return False
-        self._send(
-            register=pb.Register(
-                executor_id=self.executor_id,
-                model_fingerprint=self._fingerprint,
-                block_size=runner.block_size,
-                num_kv_blocks=runner.num_kv_blocks,
-                device=runner.device,
-                max_model_len=runner.max_model_len,
-                vocab_size=runner.vocab_size,
-                heartbeat_token=self._heartbeat_token,
-                weight_bytes=runner.weight_bytes,
-            )
+        register = pb.Register(
+            executor_id=self.executor_id,
+            model_fingerprint=self._fingerprint,
+            block_size=runner.block_size,
+            num_kv_blocks=runner.num_kv_blocks,
+            device=runner.device,
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.vocab_size,
+            heartbeat_token=self._heartbeat_token,
+            weight_bytes=runner.weight_bytes,
         )
         while not self._draining.is_set():
-            msg = self._recv(5.0)
-            if msg is None:
+            if not self._send(register=register):  # not connected: the scheduler checks a Register itself
+                self._draining.wait(0.5)
                 continue
-            kind = msg.WhichOneof("kind")
-            if kind == "registered":
-                log.info("registered %s: %s, %d KV blocks", self.executor_id, runner.device, runner.num_kv_blocks)
-                return True
-            if kind == "shutdown":
-                log.error("scheduler refused us: %s", msg.shutdown.reason)
-                return False
+            deadline = time.monotonic() + 5.0
+            try:
+                while time.monotonic() < deadline and not self._draining.is_set():
+                    msg = self._recv(0.5)
+                    kind = msg.WhichOneof("kind") if msg is not None else None
+                    if kind == "registered":
+                        log.info("registered %s: %s, %d KV blocks", self.executor_id, runner.device, runner.num_kv_blocks)
+                        return True
+                    if kind == "shutdown":
+                        log.error("scheduler refused us: %s", msg.shutdown.reason)
+                        return False
+            except SchedulerLost:
+                log.warning("lost the scheduler while registering")
         return False
 
     # ---- steady state ----------------------------------------------------------------------
-    def _serve(self) -> int:
+    def _serve(self) -> int | pb.ExecutorConfig | None:
+        """Serve steps. Returns an exit status, a config to register with, or None: the scheduler is gone."""
         while True:
             if self._draining.is_set():
                 log.info("stopping: handing our requests back to the scheduler")
                 self._send(goodbye=pb.Goodbye(executor_id=self.executor_id, reason="stopping"))
                 return 0
-            msg = self._recv(0.2)
+            try:
+                msg = self._recv(0.2)
+            except SchedulerLost as exc:
+                log.warning("%s: dropping all requests, waiting for a scheduler (weights and cache kept)", exc)
+                return None
             if msg is None:
                 continue
             kind = msg.WhichOneof("kind")
@@ -176,9 +242,10 @@ class Worker:
                 self._send(step_result=self._execute(msg.step_plan))
             elif kind == "config":
                 log.warning("the scheduler no longer knows us: dropping all requests, registering again")
-                self._runner.reset()
-                if not self._register(msg.config):
-                    return 1
+                return msg.config
+            elif kind == "stopping":
+                log.info("the scheduler is stopping (%s): dropping all requests, waiting for the next one", msg.stopping.reason)
+                return None
             elif kind == "shutdown":
                 log.info("scheduler asked us to stop: %s", msg.shutdown.reason)
                 return 0

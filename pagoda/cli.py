@@ -1,12 +1,16 @@
 """Command-line flags that also read `PAGODA_*` environment variables.
 
 `--max-num-seqs` reads `PAGODA_MAX_NUM_SEQS`; a flag given on the command line wins.
+A start-up failure the operator can fix (a port in use, a missing model) is a
+`StartupError`: `run_main` prints it as one line and exits non-zero, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from typing import Callable
 
 
 def env_name(flag: str) -> str:
@@ -37,3 +41,16 @@ def add_bool_flag(parser: argparse.ArgumentParser, flag: str, *, default: bool, 
     parser.add_argument(
         flag, action=argparse.BooleanOptionalAction, default=default, help=f"{help} [env {env}]"
     )
+
+
+class StartupError(Exception):
+    """A start-up failure the operator can fix; its message names the cause and the flag to change."""
+
+
+def run_main(prog: str, main: Callable[[], int | None]) -> int:
+    """Run `main`; a StartupError becomes one line on stderr and exit status 2, with no traceback."""
+    try:
+        return main() or 0
+    except StartupError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2

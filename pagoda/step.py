@@ -24,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What the executor needs to turn a request's logits into a token.
@@ -50,7 +53,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it (vLLM's 1e-5) that logits / temperature would overflow."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass
@@ -104,6 +108,18 @@ class SampledToken:
 
 
 @dataclass
+class RequestError:
+    """A failure the executor pins on one request (non-finite logits in its row, a sampler error).
+
+    That request gets no token this step; the rest of the batch goes on. The scheduler ends it.
+    """
+
+    req_id: str
+    message: str
+
+
+@dataclass
 class StepResult:
     step_id: int
     sampled: list[SampledToken] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)

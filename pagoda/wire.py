@@ -10,6 +10,7 @@ from pagoda.step import (
     BlockCopy,
     CachedRequestData,
     NewRequestData,
+    RequestError,
     SampledToken,
     SamplingParams,
     StepPlan,
@@ -116,6 +117,7 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
             )
             for s in result.sampled
         ],
+        errors=[pb.RequestError(req_id=e.req_id, message=e.message) for e in result.errors],
     )
 
 
@@ -131,4 +133,5 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
             )
             for s in msg.sampled
         ],
+        errors=[RequestError(req_id=e.req_id, message=e.message) for e in msg.errors],
     )

@@ -7,13 +7,16 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 
+import zmq
+
 from pagoda import link_security, model_files
-from pagoda.cli import add_bool_flag, add_flag, env_name
+from pagoda.cli import StartupError, add_bool_flag, add_flag, env_name, run_main
 from scheduler_svc import auth
 from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.server import build_server
+from scheduler_svc.server import DEFAULT_MAX_REQUEST_BYTES, build_server
 from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
 
 log = logging.getLogger("scheduler_svc")
@@ -45,8 +48,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p, "--async-scheduling", default=True,
         help="plan each executor's next step while its current one runs (the executor never waits for the scheduler)",
     )
+    add_flag(
+        p, "--step-timeout", type=float, default=120.0,
+        help="seconds to wait for a step result before the executor is judged hung (generous: first steps compile kernels)",
+    )
     add_flag(p, "--shutdown-grace", type=float, default=30.0, help="seconds streams may run on after SIGTERM")
     add_flag(p, "--metrics-port", type=int, default=9400, help="Prometheus /metrics port on --host (0 = off)")
+    add_flag(
+        p, "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request message gRPC accepts (default 4 MiB, gRPC's own; larger ones get RESOURCE_EXHAUSTED)",
+    )
     add_flag(p, "--log-level", default="INFO")
     security = p.add_argument_group("security (see README: Security)")
     add_flag(
@@ -78,6 +89,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.api_key = [os.environ[env_name("--api-key")]]
     if args.max_kv_blocks is not None and args.max_kv_blocks < 2:
         p.error("--max-kv-blocks must be at least 2")
+    for flag in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests", "max_request_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            _refuse(p, f"--{flag.replace('_', '-')} must be positive, got {value}")
+    for flag in ("executor_timeout", "step_timeout"):
+        if not getattr(args, flag) > 0:
+            _refuse(p, f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.no_executor_wait < 0 or args.shutdown_grace < 0:
+        _refuse(p, "--no-executor-wait and --shutdown-grace must not be negative")
+    for flag in ("port", "metrics_port"):
+        if not 0 <= getattr(args, flag) <= 65535:
+            _refuse(p, f"--{flag.replace('_', '-')} must be a port number in [0, 65535], got {getattr(args, flag)}")
     return args
 
 
@@ -97,10 +120,45 @@ def security_settings(args: argparse.Namespace):
     return link_keys, api_keys, credentials
 
 
+def _refuse(p: argparse.ArgumentParser, message: str) -> None:
+    """One line, exit 2: argparse's p.error would print the whole usage first."""
+    p.exit(2, f"{p.prog}: error: {message}\n")
+
+
+def _load_model(model: str | None):
+    """The model directory, tokenizer and spec; StartupError (naming --model) if they cannot be read."""
+    try:
+        model_dir = model_files.resolve_model(model, weights=False)  # config and tokenizer: no weights here
+        tokenizer = load_tokenizer(model_dir)
+        return model_dir, tokenizer, read_model_spec(model_dir, tokenizer)
+    except (OSError, ValueError, KeyError) as exc:
+        raise StartupError(f"cannot read the model {model or '(default)'}: {exc} (--model)") from None
+
+
+async def _listen(args: argparse.Namespace, engine: Engine, spec, model_name: str, api_keys, credentials):
+    """Bind the gRPC port and the metrics port, or raise StartupError naming the flag."""
+    address = f"{args.host}:{args.port}"
+    try:
+        if args.port:  # ask the OS first: gRPC would also log its own multi-line error
+            socket.create_server((args.host, args.port)).close()
+        server, port = await build_server(engine, spec, model_name, address, api_keys, credentials, args.max_request_bytes)
+    except (OSError, RuntimeError) as exc:
+        cause = getattr(exc, "strerror", None) or "the port is in use or the address is not local"
+        raise StartupError(f"cannot listen on {address} for gRPC: {cause} (--port, --host)") from None
+    if args.metrics_port:
+        try:
+            engine.metrics.serve(args.host, args.metrics_port)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot serve metrics on {args.host}:{args.metrics_port}: {exc.strerror or exc} "
+                f"(--metrics-port: choose another, or 0 for none)"
+            ) from None
+        log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.metrics_port)
+    return server, port
+
+
 async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> None:
-    model_dir = model_files.resolve_model(args.model, weights=False)  # config and tokenizer: no weights here
-    tokenizer = load_tokenizer(model_dir)
-    spec = read_model_spec(model_dir, tokenizer)
+    model_dir, tokenizer, spec = _load_model(args.model)
     max_model_len = min(args.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     config = EngineConfig(
         model_fingerprint=model_files.fingerprint(model_dir),
@@ -115,16 +173,19 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
         async_scheduling=args.async_scheduling,
         vocab_size=spec.vocab_size,
         max_kv_blocks=max_kv_blocks(args, spec.kv_elements_per_token),
+        step_timeout_s=args.step_timeout,
     )
-    engine = Engine(config, tokenizer, args.executor_bind, link_keys=link_keys)
-    server, port = await build_server(
-        engine, spec, model_files.model_name(args.model), f"{args.host}:{args.port}", api_keys, credentials
-    )
+    try:
+        engine = Engine(config, tokenizer, args.executor_bind, link_keys=link_keys)
+    except zmq.ZMQError as exc:
+        raise StartupError(f"cannot bind {args.executor_bind} for executors: {exc} (--executor-bind)") from None
+    try:
+        server, port = await _listen(args, engine, spec, model_files.model_name(args.model), api_keys, credentials)
+    except StartupError:
+        engine.pool.link.close()
+        raise
     engine.start()
     await server.start()
-    if args.metrics_port:
-        engine.metrics.serve(args.host, args.metrics_port)
-        log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     log.info(
         "serving pagoda.v1.Generation on %s:%d (%s, %s); executors connect to %s (%s)",
         args.host, port, "TLS" + (" with client certificates" if args.ssl_ca_certs else "") if credentials else "plaintext",
@@ -144,7 +205,7 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
     await engine.stop()
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.generate_cluster_secret:
@@ -159,8 +220,8 @@ def main(argv=None) -> None:
     except (link_security.InsecureLinkError, ValueError, OSError) as exc:
         log.error("refusing to start: %s", exc)
         sys.exit(2)
-    asyncio.run(serve(args, *settings))
+    return run_main("scheduler_svc", lambda: asyncio.run(serve(args, *settings)))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

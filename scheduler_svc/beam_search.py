@@ -55,6 +55,7 @@ class BeamSearchParams:
     top_logprobs: int = 0
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as transformers
+    vocab_size: int = 0  # 0 = unknown; bounds num_candidates
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= self.beam_width:
@@ -66,8 +67,12 @@ class BeamSearchParams:
 
     @property
     def num_candidates(self) -> int:
-        """Top logprobs each beam asks its executor for."""
-        return max(self.beam_width + len(self.stop_token_ids), self.top_logprobs)
+        """Top logprobs each beam asks its executor for: never more than the vocabulary has.
+
+        With every token a candidate the search is still exact (see the module docstring).
+        """
+        wanted = max(self.beam_width + len(self.stop_token_ids), self.top_logprobs)
+        return min(wanted, self.vocab_size) if self.vocab_size else wanted
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from pagoda.step import StepPlan, StepResult
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.core import FinishReason, Request, SchedulerStats, fit_error
-from scheduler_svc.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from scheduler_svc.errors import AlreadyExists, Internal, InvalidArgument, ResourceExhausted, Unavailable
 from scheduler_svc.executor_pool import (  # noqa: F401  (re-exported: the engine's public config)
     DEFAULT_CPU_STEP_BUDGET,
     DEFAULT_GPU_STEP_BUDGET,
@@ -52,6 +52,9 @@ from scheduler_svc.owners import BeamOwner, Owners, SampleOwner, initial_request
 from scheduler_svc.validation import GenerateParams
 
 log = logging.getLogger(__name__)
+
+# A request in a step in flight on this many failed executors is ended, not restarted (#16).
+MAX_EXECUTOR_LOSSES = 2
 
 
 @dataclass(eq=False)
@@ -99,6 +102,7 @@ class Engine:
         self.owners = Owners()  # core request id -> owner
         self.on_health_change: Callable[[bool], None] = lambda serving: None
         self._tasks: list[asyncio.Task] = []
+        self._strikes: dict[str, int] = {}  # client request id -> failed executors it was in a step of
 
     # ---- life cycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -124,7 +128,7 @@ class Engine:
             )
         max_tokens = self._max_tokens(params)
         stream = ClientStream.create(params, self.tokenizer)
-        owners = owners_for(stream, max_tokens, self.metrics)
+        owners = owners_for(stream, max_tokens, self.metrics, vocab_size=len(self.tokenizer))
         self.requests[params.request_id] = owners
         group = initial_requests(owners)
         for owner, request in zip(owners, group, strict=True):
@@ -205,6 +209,7 @@ class Engine:
             self.metrics.observe_finish(stream.arrival, len(stream.params.prompt_token_ids), reasons)
         if stream.done:
             self.requests.pop(stream.request_id, None)
+            self._strikes.pop(stream.request_id, None)
 
     def _fail(self, stream: ClientStream, error: Exception) -> None:
         for owner in self.requests.get(stream.request_id, ()):
@@ -240,9 +245,18 @@ class Engine:
             self.on_health_change(True)
 
     def _on_lost(self, handle: ExecutorHandle, requests: list[Request]) -> None:
-        """Queue the unfinished requests of a lost executor again, as their owners say."""
+        """Queue the unfinished requests of a lost executor again, as their owners say.
+
+        Poison-pill guard: a request in a step in flight on a failed executor gets a strike;
+        at MAX_EXECUTOR_LOSSES it ends with INTERNAL instead of bringing down another one.
+        """
+        struck: set[str] = set()
         for request in requests:
             owner = self.owners.get(request.req_id)
+            if owner is not None and request.req_id in handle.suspects and owner.stream.request_id not in struck:
+                struck.add(owner.stream.request_id)
+                if self._strike(owner.stream):
+                    continue
             if owner is not None:
                 group = owner.on_executor_lost(request, self.owners)
                 if group:
@@ -250,6 +264,32 @@ class Engine:
         if not self.serving:
             self.on_health_change(False)
         self._dispatch()
+
+    def _strike(self, stream: ClientStream) -> bool:
+        """Count one failed executor against `stream`; True if that ended it."""
+        strikes = self._strikes[stream.request_id] = self._strikes.get(stream.request_id, 0) + 1
+        if strikes < MAX_EXECUTOR_LOSSES:
+            return False
+        log.error("request %s was in the steps of %d failed executors: ending it", stream.request_id, strikes)
+        self.metrics.request_errors.labels("poison_pill").inc()
+        self._fail(stream, Internal(
+            f"request {stream.request_id} brought down {strikes} executors (their steps with it failed or never "
+            f"returned); it is not retried"
+        ))
+        return True
+
+    def _fail_request_errors(self, handle: ExecutorHandle, result: StepResult) -> None:
+        """End each request its executor pinned an error on (NaN logits, a sampler failure) with INTERNAL."""
+        for error in result.errors:
+            handle.scheduler.finish_requests({error.req_id}, FinishReason.ABORTED)
+            owner = self.owners.get(error.req_id)
+            if owner is None or owner.stream.done:
+                continue
+            log.error("request %s failed on executor %s: %s", owner.stream.request_id, handle.executor_id, error.message)
+            self.metrics.request_errors.labels("executor_error").inc()
+            self._fail(owner.stream, Internal(
+                f"request {owner.stream.request_id} failed on executor {handle.executor_id}: {error.message}"
+            ))
 
     # ---- step loop ----------------------------------------------------------------------
     async def _step_loop(self, handle: ExecutorHandle) -> None:
@@ -266,8 +306,11 @@ class Engine:
             if in_flight:
                 plan, future = in_flight.popleft()
                 try:
-                    result: StepResult = await future
+                    result: StepResult = await asyncio.wait_for(future, self.config.step_timeout_s)
                 except asyncio.CancelledError:
+                    return
+                except TimeoutError:
+                    self.pool.judge_hung(handle, plan.step_id)
                     return
                 if handle.alive:
                     self._update(handle, plan, result)
@@ -293,6 +336,7 @@ class Engine:
         except ValueError as exc:  # a result that does not answer the plan; the core changed nothing
             self.pool.reject(handle, str(exc))
             return
+        self._fail_request_errors(handle, result)
         for update in updates:
             owner = self.owners.get(update.req_id)
             if owner is None:

@@ -31,3 +31,9 @@ class ResourceExhausted(ServiceError):
 
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Internal(ServiceError):
+    """Something failed on our side for this request alone (an executor's error pinned on it)."""
+
+    code = grpc.StatusCode.INTERNAL

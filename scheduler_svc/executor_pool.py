@@ -53,13 +53,14 @@ class EngineConfig:
     # security (#13): what an executor may claim and return
     vocab_size: int | None = None  # None: token ids are not range-checked
     max_kv_blocks: int = 2**24  # largest num_kv_blocks a Register may announce
+    step_timeout_s: float = 120.0  # a step result later than this: the executor is hung (#16)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.executor_timeout_s <= 0 or self.no_executor_wait_s < 0:
-            raise ValueError("executor_timeout_s must be positive and no_executor_wait_s not negative")
+        if self.executor_timeout_s <= 0 or self.no_executor_wait_s < 0 or self.step_timeout_s <= 0:
+            raise ValueError("executor_timeout_s and step_timeout_s must be positive and no_executor_wait_s not negative")
 
     def step_budget(self, device: str) -> int:
         """Tokens one step of an executor on `device` ("cpu", "cuda:0", ...) may compute."""
@@ -77,6 +78,8 @@ class ExecutorHandle:
     alive: bool = True
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     pending: dict[int, asyncio.Future] = field(default_factory=dict)  # step id -> its result
+    scheduled: dict[int, frozenset[str]] = field(default_factory=dict)  # step id in flight -> its core req ids
+    suspects: frozenset[str] = frozenset()  # once lost by a failure: the core req ids of its steps in flight
     task: asyncio.Task | None = None
     weight_bytes: int = 0  # the model's resident weights, as the executor registered them
 
@@ -105,6 +108,7 @@ class ExecutorPool:
         self.executors: dict[str, ExecutorHandle] = {}
         self.num_preemptions_retired = 0  # preemptions counted by executors that are gone
         self._on_joined, self._on_lost = on_joined, on_lost
+        self._shut_down: set[str] = set()  # judged hung and told to shut down: their heartbeats get no config
 
     @property
     def alive(self) -> list[ExecutorHandle]:
@@ -152,6 +156,7 @@ class ExecutorPool:
         """Send `plan`; the future of its `StepResult` (cancelled if the executor goes)."""
         future = asyncio.get_running_loop().create_future()
         handle.pending[plan.step_id] = future
+        handle.scheduled[plan.step_id] = frozenset(plan.num_scheduled_tokens)
         log.debug("executor %s step %d: %s", handle.executor_id, plan.step_id, plan.num_scheduled_tokens)
         if not await self.link.send_plan(handle.executor_id, plan):
             self.kill(handle, "unreachable")
@@ -165,8 +170,9 @@ class ExecutorPool:
         handle.last_seen = time.monotonic()
         if msg.error:
             log.error("executor %s failed step %d: %s", executor_id, msg.step_id, msg.error)
-            self.kill(handle, f"step failed: {msg.error}")
+            self.kill(handle, f"step failed: {msg.error}")  # this step's requests are among the suspects
             return
+        handle.scheduled.pop(msg.step_id, None)
         result: StepResult = wire.result_from_proto(msg)
         problem = sampled_values_problem(result, self.config.vocab_size) if self.config.vocab_size else ""
         if problem:
@@ -189,10 +195,19 @@ class ExecutorPool:
 
     # ---- life cycle -----------------------------------------------------------------------
     async def stop(self) -> None:
+        """Not Shutdown: executors keep their weights and cache and register with the next scheduler."""
+        notice = xpb.SchedulerMessage(stopping=xpb.SchedulerStopping(reason="scheduler stopping"))
         for handle in list(self.executors.values()):
-            await self.link.send(handle.executor_id, xpb.SchedulerMessage(shutdown=xpb.Shutdown(reason="scheduler stopping")))
+            await self.link.send(handle.executor_id, notice)
             self._retire(handle)
         self.link.close()
+
+    def judge_hung(self, handle: ExecutorHandle, step_id: int) -> None:
+        """No result for `step_id` within the step timeout: tell the executor to shut down, move its requests."""
+        why = f"step timeout: no result for step {step_id} in {self.config.step_timeout_s:g} s"
+        self._shut_down.add(handle.executor_id)
+        asyncio.ensure_future(self.link.send(handle.executor_id, xpb.SchedulerMessage(shutdown=xpb.Shutdown(reason=why))))
+        self.kill(handle, why)
 
     def on_hello(self, executor_id: str, msg: xpb.Hello) -> None:
         asyncio.ensure_future(self.link.send(executor_id, self._config_message()))
@@ -218,7 +233,7 @@ class ExecutorPool:
             return
         old = self.executors.get(executor_id)
         if old is not None:
-            self.kill(old, "re-registered")
+            self.kill(old, "re-registered", blame=False)
         budget = self.config.step_budget(msg.device)
         core = Scheduler(
             SchedulerConfig(
@@ -257,19 +272,25 @@ class ExecutorPool:
         handle = self.executors.get(executor_id)
         if handle is not None:
             handle.last_seen = time.monotonic()
-        else:  # we restarted, or declared it dead: it must register anew
+        elif executor_id not in self._shut_down:  # we restarted, or declared it dead: it must register anew
             asyncio.ensure_future(self.link.send(executor_id, self._config_message()))
 
     def on_goodbye(self, executor_id: str, msg: xpb.Goodbye) -> None:
         handle = self.executors.get(executor_id)
         if handle is not None:
-            self.kill(handle, f"said goodbye: {msg.reason}")
+            self.kill(handle, f"said goodbye: {msg.reason}", blame=False)
 
-    def kill(self, handle: ExecutorHandle, why: str) -> None:
-        """Retire `handle`; the engine gets its unfinished requests, tokens so far kept."""
+    def kill(self, handle: ExecutorHandle, why: str, blame: bool = True) -> None:
+        """Retire `handle`; the engine gets its unfinished requests, tokens so far kept.
+
+        `blame`: it failed (not a goodbye): the requests of its steps in flight are `suspects`
+        (the engine's poison-pill guard counts them).
+        """
         if not handle.alive:
             return
         log.warning("executor %s is gone (%s); moving its requests", handle.executor_id, why)
+        if blame:
+            handle.suspects = frozenset().union(*handle.scheduled.values())
         self._on_lost(handle, self._retire(handle))
 
     def _retire(self, handle: ExecutorHandle) -> list[Request]:
@@ -279,6 +300,7 @@ class ExecutorPool:
         for future in handle.pending.values():
             future.cancel()
         handle.pending.clear()
+        handle.scheduled.clear()
         if handle.task is not None and handle.task is not asyncio.current_task():
             handle.task.cancel()
         handle.wakeup.set()

@@ -7,11 +7,12 @@ own registry: no module-level state.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from scheduler_svc.core import FinishReason, SchedulerStats
@@ -62,11 +63,20 @@ class Metrics:
         self.prefix_hits = Counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.request_success = Counter("pagoda:request_success", "Finished requests by reason", ["finished_reason"], registry=r)
         self.routing = Counter("pagoda:routing_decisions", "Where new requests were sent, and why", ["reason"], registry=r)
+        self.request_errors = Counter(
+            "pagoda:request_errors",
+            "Requests ended with INTERNAL: executor_error (pinned on it by its executor), poison_pill (in the step of 2 lost executors)",
+            ["reason"], registry=r,
+        )
 
         self.registry.register(_SnapshotCollector(snapshot))
 
     def serve(self, host: str, port: int):
-        return start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics; called on the event loop, whose task count it then reports (leak checks)."""
+        server = start_http_server(port, addr=host, registry=self.registry)
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_open_fds, ...
+        self.registry.register(_LoopCollector(asyncio.get_running_loop()))
+        return server
 
     def observe_first_token(self, arrival: float, prompt_tokens: int, cached_tokens: int) -> None:
         self.ttft.observe(time.monotonic() - arrival)
@@ -78,6 +88,23 @@ class Metrics:
         self.prompt_tokens.inc(prompt_tokens)
         for reason in finish_reasons:
             self.request_success.labels(FinishReason(reason).name.lower()).inc()
+
+
+class _LoopCollector:
+    """The event loop's live asyncio tasks: a count that grows without bound is a leak (bench/soak.py)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+
+    def collect(self):
+        tasks = GaugeMetricFamily("pagoda:asyncio_tasks", "Live asyncio tasks on the scheduler's event loop")
+        for _ in range(3):  # read from the metrics thread: the loop may change the set meanwhile
+            try:
+                tasks.add_metric([], len(asyncio.all_tasks(self._loop)))
+                break
+            except RuntimeError:
+                continue
+        yield tasks
 
 
 class _SnapshotCollector:

@@ -122,7 +122,7 @@ class BeamOwner:
     metrics: Metrics
 
     @classmethod
-    def create(cls, stream: ClientStream, max_tokens: int, metrics: Metrics) -> BeamOwner:
+    def create(cls, stream: ClientStream, max_tokens: int, metrics: Metrics, vocab_size: int = 0) -> BeamOwner:
         params, sampling = stream.params, stream.params.sampling
         search = BeamSearch(
             request_id=params.request_id,
@@ -136,6 +136,7 @@ class BeamOwner:
                 min_tokens=sampling.min_tokens,
                 logprobs=sampling.logprobs,
                 top_logprobs=sampling.top_logprobs,
+                vocab_size=vocab_size,  # never more candidates than tokens (#16)
             ),
             priority=params.priority,
             arrival_time=time.monotonic(),
@@ -188,10 +189,12 @@ class BeamOwner:
             self.metrics.generation_tokens.inc(len(tokens))
 
 
-def owners_for(stream: ClientStream, max_tokens: int, metrics: Metrics) -> list[SampleOwner] | list[BeamOwner]:
+def owners_for(
+    stream: ClientStream, max_tokens: int, metrics: Metrics, vocab_size: int = 0
+) -> list[SampleOwner] | list[BeamOwner]:
     """The owners of a new client request; their core requests are `initial_requests(...)`."""
     if stream.params.beam_width > 1:
-        return [BeamOwner.create(stream, max_tokens, metrics)]
+        return [BeamOwner.create(stream, max_tokens, metrics, vocab_size)]
     return SampleOwner.for_samples(stream, max_tokens, metrics)
 
 

@@ -17,9 +17,9 @@ from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.auth import ApiKey, ApiKeyInterceptor, current_tenant, prefix_cache_salt
 from scheduler_svc.engine import Engine
-from scheduler_svc.errors import InvalidArgument, ServiceError
-from scheduler_svc.tokenizer import ModelSpec, encode_text
-from scheduler_svc.validation import chat_token_ids, validate_generate
+from scheduler_svc.errors import ServiceError
+from scheduler_svc.prompts import MAX_REPLY_BYTES, PromptWorker
+from scheduler_svc.tokenizer import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.engine = engine
         self.spec = spec
         self.model_name = model_name
+        self.prompts = PromptWorker(engine.tokenizer, spec, engine.config.max_model_len)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            params = validate_generate(request, self.engine.tokenizer, self.spec, self.engine.config.max_model_len)
+            params = await self.prompts.generate_params(request)
             params = dataclasses.replace(params, cache_salt=prefix_cache_salt(current_tenant(), params.cache_salt))
             stream = self.engine.submit(params)
         except ServiceError as exc:
@@ -57,20 +58,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.AbortResponse()
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        tokenizer = self.engine.tokenizer
         try:
-            kind = request.WhichOneof("prompt")
-            if kind == "text":
-                ids = encode_text(tokenizer, request.text)
-            elif kind == "chat":
-                add = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-                ids = chat_token_ids(request.chat, tokenizer, "chat", add)
-            else:
-                raise InvalidArgument("prompt", "one of text or chat is required")
+            return await self.prompts.tokenize(request)
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
-            return
-        return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return pb.ModelInfo(
@@ -85,6 +76,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self.engine.server_info()
 
 
+# gRPC's own default receive limit; every request must fit it (--max-request-bytes changes it).
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+def grpc_options(max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[tuple[str, int]]:
+    """Message size limits, explicit: a larger request is refused by gRPC (RESOURCE_EXHAUSTED).
+
+    SO_REUSEPORT is off: with it (gRPC's default on Linux) a second scheduler on the same port
+    would start without error and silently share the first one's connections.
+    """
+    return [
+        ("grpc.max_receive_message_length", max_request_bytes),
+        ("grpc.max_send_message_length", MAX_REPLY_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
 async def build_server(
     engine: Engine,
     spec: ModelSpec,
@@ -92,9 +100,12 @@ async def build_server(
     address: str,
     api_keys: list[ApiKey] = (),
     credentials: grpc.ServerCredentials | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> tuple[grpc.aio.Server, int]:
     """The server on `address`: API keys required when `api_keys`, TLS when `credentials`."""
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(list(api_keys))] if api_keys else None)
+    server = grpc.aio.server(
+        interceptors=[ApiKeyInterceptor(list(api_keys))] if api_keys else None, options=grpc_options(max_request_bytes)
+    )
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, spec, model_name), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

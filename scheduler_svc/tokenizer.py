@@ -17,6 +17,8 @@ class ModelSpec:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     kv_elements_per_token: int = 0  # K and V of every layer (bounds what an executor may claim)
+    max_token_chars: int = 64  # the most characters of text one token can stand for (see below)
+    ignored_chars: frozenset[str] = frozenset()  # characters the tokenizer drops (no token at all)
 
 
 def read_model_spec(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> ModelSpec:
@@ -36,6 +38,8 @@ def read_model_spec(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> Mode
         vocab_size=int(text_config["vocab_size"]),
         eos_token_ids=tuple(eos),
         kv_elements_per_token=_kv_elements_per_token(text_config),
+        max_token_chars=max_token_chars(tokenizer),
+        ignored_chars=ignored_chars(tokenizer),
     )
 
 
@@ -46,6 +50,27 @@ def _kv_elements_per_token(config: dict) -> int:
         return 2 * int(config["num_hidden_layers"]) * int(config.get("num_key_value_heads", heads)) * head_dim
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return 0
+
+
+# A normalizer may shrink text before it is split (NFC joins a letter and its accent, say);
+# this covers that generously.
+_NORMALIZER_SLACK = 4
+
+
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the characters of input text one token covers.
+
+    A token's vocabulary string is at least as long as the text it matches: byte-level BPE
+    spells each byte as one character, and a character is at least one byte; SentencePiece
+    and WordPiece pieces carry their text (plus markers). So a text of c characters has at
+    least c / max_token_chars tokens: the front end refuses, before tokenizing, text that
+    cannot fit max_model_len (`validation.max_prompt_chars`), not counting `ignored_chars`.
+    """
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        longest *= _NORMALIZER_SLACK
+    return longest
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
@@ -61,3 +86,15 @@ def apply_chat_template(
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True)
+
+
+
+def ignored_chars(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:
+    """Characters that tokenize to nothing (SmolLM2 drops six control characters it has no byte for).
+
+    Checked for every character below U+3000 and one of each 4096 above: for byte-level BPE
+    that covers every lead and continuation byte, so nothing else can vanish.
+    """
+    chars = [chr(c) for c in (*range(0x3000), *range(0x3000, 0x110000, 0x1000)) if not 0xD800 <= c < 0xE000]
+    ids = tokenizer(chars, add_special_tokens=False)["input_ids"]
+    return frozenset(c for c, i in zip(chars, ids) if not i)

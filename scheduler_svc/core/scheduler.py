@@ -316,13 +316,15 @@ class Scheduler:
         """Apply the result of the oldest step in flight: append tokens, finish what stops.
 
         Requests finished (e.g. aborted) while the step ran are skipped; a request
-        preempted since keeps its token.
+        preempted since keeps its token. A request in `result.errors` (failed alone on the
+        executor) gets no token and no update: its owner ends it.
         """
         self._check_result(plan, result)
         if not plan.num_scheduled_tokens:
             return []
         in_flight = self._in_flight.popleft()
         sampled = {token.req_id: token for token in result.sampled}
+        failed = {error.req_id for error in result.errors}
         updates = []
         for req_id, planned in in_flight.requests.items():
             request = self._requests.get(req_id)
@@ -332,7 +334,7 @@ class Scheduler:
                 request.num_output_placeholders -= 1
             if request.status is _RUNNING:
                 self.kv_cache_manager.cache_full_blocks(request)
-            if req_id in in_flight.expects_token:
+            if req_id in in_flight.expects_token and req_id not in failed:
                 updates.append(self._append_sampled(request, sampled[req_id]))
         return updates
 
@@ -592,7 +594,10 @@ class Scheduler:
         for req_id in sampled_ids:
             if req_id not in plan.num_scheduled_tokens:
                 raise ValueError(f"step {plan.step_id}: token for unscheduled request {req_id!r}")
-        missing = self._in_flight[0].expects_token - sampled_ids
+        failed = {error.req_id for error in result.errors}
+        if failed - set(plan.num_scheduled_tokens) or failed & sampled_ids:
+            raise ValueError(f"step {plan.step_id}: errors for unscheduled or sampled requests {sorted(failed)}")
+        missing = self._in_flight[0].expects_token - sampled_ids - failed
         extra = sampled_ids - self._in_flight[0].expects_token
         if missing or extra:
             raise ValueError(f"step {plan.step_id}: tokens missing for {sorted(missing)}, unexpected for {sorted(extra)}")

@@ -23,6 +23,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "pagoda.v1.Generation"
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (all held open while picked, so none is returned twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,9 +55,8 @@ class Service:
         self.scheduler_args = list(scheduler_args)
         self.executor_args = list(executor_args)
         self.num_executors = num_executors
-        self.port = free_port()
-        self.zmq = f"tcp://127.0.0.1:{free_port()}"
-        self.metrics_port = free_port()
+        self.port, zmq_port, self.metrics_port = free_ports(3)  # distinct: free_port() twice may repeat
+        self.zmq = f"tcp://127.0.0.1:{zmq_port}"
         self.logdir = Path(tempfile.mkdtemp(prefix="pagoda-svc-"))
         self.scheduler: subprocess.Popen | None = None
         self.executors: list[subprocess.Popen] = []
@@ -59,10 +70,19 @@ class Service:
             [sys.executable, "-m", module, *model, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
 
+    def _spawn_scheduler(self, name: str = "scheduler") -> subprocess.Popen:
+        args = ["--port", str(self.port), "--executor-bind", self.zmq, "--metrics-port", str(self.metrics_port)]
+        return self._spawn("scheduler_svc", [*args, *self.scheduler_args], name)
+
+    def restart_scheduler(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
+        """Stop the scheduler with `sig`, then start a new one on the same ports; executors stay."""
+        self.scheduler.send_signal(sig)
+        self.scheduler.wait(timeout)
+        self.num_scheduler_restarts = getattr(self, "num_scheduler_restarts", 0) + 1
+        self.scheduler = self._spawn_scheduler(f"scheduler{self.num_scheduler_restarts}")
+
     def start(self) -> "Service":
-        self.scheduler = self._spawn(
-            "scheduler_svc", ["--port", str(self.port), "--executor-bind", self.zmq, "--metrics-port", str(self.metrics_port), *self.scheduler_args], "scheduler"
-        )
+        self.scheduler = self._spawn_scheduler()
         for _ in range(self.num_executors):
             self.add_executor()
         self.channel = self.open_channel(self.channel_credentials, self.api_key)
