@@ -1,0 +1,157 @@
+"""Speculative decoding on the executor: the acceptance rule, and the real model driven by the real core.
+
+The acceptance rule is checked against the target distribution by counting (total
+variation, fixed seeds, enough draws that a wrong rule fails, which the test shows on
+two wrong rules). Greedy decoding with drafts, through `Scheduler` + `ModelRunner` in
+one process, must equal transformers' greedy output token for token, under chunked
+prefill and preemption, with drafts mostly accepted and mostly rejected.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.spec_decode import greedy_accept, rejection_sample
+from pagoda.step import SamplingParams
+from scheduler_svc.core import Request, Scheduler, SchedulerConfig, SpeculativeConfig
+from tests.service.harness import hf_greedy
+
+NUM_DRAWS = 20_000
+
+
+def _total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - probs).abs().sum())
+
+
+def _empirical(rule, probs: torch.Tensor, drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of the first token, and of the second given that the first draft was accepted."""
+    vocab = probs.shape[1]
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    for i in range(NUM_DRAWS):
+        generator = torch.Generator().manual_seed(i)
+        tokens = rule(probs, drafts, [generator] * probs.shape[0])
+        first[tokens[0]] += 1
+        if tokens[0] == drafts[0] and len(tokens) > 1:  # accepted (a wrong rule may redraw it)
+            second[tokens[1]] += 1
+    return first, second
+
+
+def _accept_always_on_residual_from_p(probs, drafts, generators):
+    """A wrong rule: on rejection, draw from p itself instead of the residual."""
+    for j, draft in enumerate(drafts):
+        if torch.rand((), generator=generators[j]) >= probs[j, draft]:
+            return drafts[:j] + [int(torch.multinomial(probs[j], 1, generator=generators[j]))]
+    return drafts + [int(torch.multinomial(probs[len(drafts)], 1, generator=generators[0]))]
+
+
+def _accept_with_half_probability(probs, drafts, generators):
+    """A wrong rule: a fixed acceptance rate, whatever the target thinks of the draft."""
+    for j, draft in enumerate(drafts):
+        if torch.rand((), generator=generators[j]) >= 0.5:
+            residual = probs[j].clone()
+            residual[draft] = 0
+            return drafts[:j] + [int(torch.multinomial(residual, 1, generator=generators[j]))]
+    return drafts + [int(torch.multinomial(probs[len(drafts)], 1, generator=generators[0]))]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    probs = torch.tensor(
+        [
+            [0.10, 0.40, 0.05, 0.25, 0.20],  # the draft 1 is likely
+            [0.50, 0.02, 0.08, 0.10, 0.30],  # the draft 1 is unlikely
+            [0.20, 0.20, 0.20, 0.20, 0.20],
+        ]
+    )
+    drafts = [1, 1]
+    first, second = _empirical(rejection_sample, probs, drafts)
+    assert _total_variation(first, probs[0]) < 0.02
+    assert _total_variation(second, probs[1]) < 0.03  # ~8,000 draws
+    # the same test fails wrong rules
+    for wrong in (_accept_always_on_residual_from_p, _accept_with_half_probability):
+        first, _ = _empirical(wrong, probs, drafts)
+        assert _total_variation(first, probs[0]) > 0.05, wrong.__name__
+
+
+def test_a_certain_draft_is_always_accepted_and_the_bonus_token_is_drawn():
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    assert rejection_sample(probs, [1, 2], [None, None, None]) == [1, 2, 0]
+    assert rejection_sample(probs, [0, 2], [None, None, None]) == [1]
+
+
+def test_greedy_accepts_while_the_draft_is_the_argmax():
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 9]) == [5, 6, 7]
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]
+    assert greedy_accept([4], []) == [4]
+
+
+# ---- the real model through the real core -----------------------------------------------
+
+
+def _run(runner, requests: list[Request], config: SchedulerConfig) -> Scheduler:
+    scheduler = Scheduler(config)
+    for request in requests:
+        scheduler.add_requests([request])
+    for _ in range(2_000):
+        if not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule()
+        scheduler.update_from_output(plan, runner.execute(plan))
+        scheduler.check_integrity()
+    runner.execute(scheduler.schedule())  # drop the finished requests' state
+    assert not scheduler.has_unfinished()
+    stats = scheduler.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    return scheduler
+
+
+@pytest.fixture(scope="module")
+def spec_prompts(default_runner):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_runner.model_dir))
+    paragraph = "The quick brown fox jumps over the lazy dog. The dog sleeps in the warm sun all day long."
+    texts = [
+        f"Repeat this text exactly: {paragraph}\nRepeated: {paragraph[:20]}",  # drafts mostly accepted
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\ndef fib",
+        "Name three colours and explain why the sky looks blue to us.",  # drafts mostly rejected
+    ]
+    return [tokenizer(text)["input_ids"] for text in texts]
+
+
+@pytest.mark.parametrize("setting", ["roomy", "chunked_prefill_and_preemption"])
+def test_greedy_with_drafts_equals_transformers(default_runner, hf_default, spec_prompts, setting):
+    max_tokens = 24
+    config = SchedulerConfig(
+        num_blocks=default_runner.num_kv_blocks if setting == "roomy" else 9,
+        block_size=16,
+        max_num_batched_tokens=512 if setting == "roomy" else 24,
+        speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4),
+    )
+    requests = [
+        Request(f"spec-{setting}-{i}", prompt, SamplingParams(temperature=0.0), max_tokens=max_tokens, arrival_time=i)
+        for i, prompt in enumerate(spec_prompts)
+    ]
+    scheduler = _run(default_runner, requests, config)
+    for request, prompt in zip(requests, spec_prompts):
+        assert request.output_token_ids == hf_greedy(hf_default, prompt, max_tokens, ignore_eos=True), request.req_id
+    assert requests[0].num_accepted_draft_tokens >= max_tokens // 4  # the repeated text is drafted
+    assert requests[0].num_draft_tokens > requests[0].num_accepted_draft_tokens or requests[2].num_draft_tokens
+    if setting != "roomy":
+        assert scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_with_drafts_is_reproducible_with_logprobs(default_runner, spec_prompts):
+    config = SchedulerConfig(
+        num_blocks=default_runner.num_kv_blocks,
+        speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4),
+    )
+    outputs = []
+    for attempt in range(2):
+        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7, logprobs=True)
+        request = Request(f"seeded-{attempt}", spec_prompts[0], sampling, max_tokens=20)
+        others = [Request(f"other-{attempt}-{i}", spec_prompts[1], SamplingParams(), max_tokens=5 + attempt * 7) for i in range(attempt + 1)]
+        _run(default_runner, [request, *others], config)
+        outputs.append(request.output_token_ids)
+        assert request.num_accepted_draft_tokens > 0
+    assert outputs[0] == outputs[1]
