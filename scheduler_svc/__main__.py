@@ -83,6 +83,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.api_key = [os.environ[env_name("--api-key")]]
     if args.max_kv_blocks is not None and args.max_kv_blocks < 2:
         p.error("--max-kv-blocks must be at least 2")
+    if args.speculative_method and args.num_speculative_tokens <= 0:
+        p.error("--speculative-method needs --num-speculative-tokens K (K >= 1)")
+    if args.num_speculative_tokens:
+        try:
+            args.speculative = SpeculativeConfig(
+                num_speculative_tokens=args.num_speculative_tokens,
+                method=args.speculative_method or "ngram",
+                prompt_lookup_min=args.prompt_lookup_min,
+                prompt_lookup_max=args.prompt_lookup_max,
+            )
+        except ValueError as error:
+            p.error(str(error))
+    else:
+        args.speculative = None
     return args
 
 
@@ -107,14 +121,8 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
     tokenizer = load_tokenizer(model_dir)
     spec = read_model_spec(model_dir, tokenizer)
     max_model_len = min(args.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    speculative = None
-    if args.num_speculative_tokens:
-        speculative = SpeculativeConfig(
-            num_speculative_tokens=args.num_speculative_tokens,
-            method=args.speculative_method or "ngram",
-            prompt_lookup_min=args.prompt_lookup_min,
-            prompt_lookup_max=args.prompt_lookup_max,
-        )
+    speculative = args.speculative
+    if speculative is not None:
         if args.async_scheduling:
             # drafts need each request's latest tokens: a step cannot be planned before the last result
             log.info("speculative decoding (%d ngram drafts): async scheduling is off", args.num_speculative_tokens)

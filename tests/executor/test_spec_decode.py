@@ -155,3 +155,59 @@ def test_seeded_sampling_with_drafts_is_reproducible_with_logprobs(default_runne
         outputs.append(request.output_token_ids)
         assert request.num_accepted_draft_tokens > 0
     assert outputs[0] == outputs[1]
+
+
+def test_sampled_tokens_with_drafts_follow_the_model_distribution(tiny_model_dirs):
+    """Through the real ModelRunner: tokens after a verified draft are distributed as the
+    model's (transformers' logits, top_k 5), for the first token and, once the first draft
+    is accepted, for the second; 3,000 seeded requests."""
+    from transformers import AutoModelForCausalLM
+
+    from executor_svc.model_runner import ModelRunner
+    from executor_svc.sampler import filter_logits
+    from pagoda.step import CachedRequestData, NewRequestData, StepPlan
+
+    top_k, num_requests, batch = 5, 3_000, 1_000
+    prompt = [(37 * i + 11) % 1000 + 3 for i in range(20)]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32).eval()
+
+    def target(tokens: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = reference(torch.tensor([tokens])).logits[0, -1:]
+        return torch.softmax(filter_logits(logits, top_k=[top_k], top_p=[1.0], min_p=[0.0]), dim=-1)[0]
+
+    p0 = target(prompt)
+    d0 = int(p0.topk(2).indices[1])  # a plausible draft, not the likeliest token
+    p1 = target(prompt + [d0])
+    drafts = [d0, int(p1.argmax())]
+    runner = ModelRunner(tiny_model_dirs["llama"], num_kv_blocks=2 * batch + 1)
+    first, second = torch.zeros(p0.shape[0]), torch.zeros(p0.shape[0])
+    for start in range(0, num_requests, batch):
+        ids = [f"d{i}" for i in range(start, start + batch)]
+        new = [
+            NewRequestData(req_id, list(prompt), len(prompt), SamplingParams(top_k=top_k, seed=i), [2 * j + 1, 2 * j + 2], 0)
+            for j, (i, req_id) in enumerate(zip(range(start, start + batch), ids))
+        ]
+        runner.execute(StepPlan(step_id=0, new_requests=new, num_scheduled_tokens={r: len(prompt) - 1 for r in ids}))
+        result = runner.execute(
+            StepPlan(
+                step_id=1,
+                cached_requests=[CachedRequestData(r, []) for r in ids],
+                num_scheduled_tokens={r: 1 + len(drafts) for r in ids},
+                scheduled_spec_decode_tokens={r: list(drafts) for r in ids},
+            )
+        )
+        tokens: dict[str, list[int]] = {}
+        for token in result.sampled:
+            tokens.setdefault(token.req_id, []).append(token.token_id)
+        for req_id in ids:
+            out = tokens[req_id]
+            assert 1 <= len(out) <= 3 and out[:-1] == drafts[: len(out) - 1]
+            first[out[0]] += 1
+            if len(out) > 1:
+                second[out[1]] += 1
+            computed = runner.requests[req_id].num_computed_tokens
+            assert computed == len(prompt) + len(out) - 1  # rejected drafts rolled back
+        runner.execute(StepPlan(step_id=2, finished_req_ids=ids))
+    assert _total_variation(first, p0) < 0.04, (first / first.sum(), p0)
+    assert second.sum() > 300 and _total_variation(second, p1) < 0.08, (second / second.sum(), p1)
