@@ -3,8 +3,9 @@
 The acceptance rule is checked against the target distribution by counting (total
 variation, fixed seeds, enough draws that a wrong rule fails, which the test shows on
 two wrong rules). Greedy decoding with drafts, through `Scheduler` + `ModelRunner` in
-one process, must equal transformers' greedy output token for token, under chunked
-prefill and preemption, with drafts mostly accepted and mostly rejected.
+one process, must equal transformers' greedy output token for token (logprobs within
+tolerance), under chunked prefill and preemption, with drafts mostly accepted and
+mostly rejected.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def test_greedy_accepts_while_the_draft_is_the_argmax():
 # ---- the real model through the real core -----------------------------------------------
 
 
-def _run(runner, requests: list[Request], config: SchedulerConfig) -> Scheduler:
+def _run(runner, requests: list[Request], config: SchedulerConfig, updates: list | None = None) -> Scheduler:
     scheduler = Scheduler(config)
     for request in requests:
         scheduler.add_requests([request])
@@ -96,7 +97,9 @@ def _run(runner, requests: list[Request], config: SchedulerConfig) -> Scheduler:
         if not scheduler.has_unfinished():
             break
         plan = scheduler.schedule()
-        scheduler.update_from_output(plan, runner.execute(plan))
+        step_updates = scheduler.update_from_output(plan, runner.execute(plan))
+        if updates is not None:
+            updates += step_updates
         scheduler.check_integrity()
     runner.execute(scheduler.schedule())  # drop the finished requests' state
     assert not scheduler.has_unfinished()
@@ -128,13 +131,20 @@ def test_greedy_with_drafts_equals_transformers(default_runner, hf_default, spec
         max_num_batched_tokens=512 if setting == "roomy" else 24,
         speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4),
     )
+    greedy = SamplingParams(temperature=0.0, logprobs=True)
     requests = [
-        Request(f"spec-{setting}-{i}", prompt, SamplingParams(temperature=0.0), max_tokens=max_tokens, arrival_time=i)
-        for i, prompt in enumerate(spec_prompts)
+        Request(f"spec-{setting}-{i}", prompt, greedy, max_tokens=max_tokens, arrival_time=i) for i, prompt in enumerate(spec_prompts)
     ]
-    scheduler = _run(default_runner, requests, config)
+    updates: list = []
+    scheduler = _run(default_runner, requests, config, updates)
     for request, prompt in zip(requests, spec_prompts):
         assert request.output_token_ids == hf_greedy(hf_default, prompt, max_tokens, ignore_eos=True), request.req_id
+        # the logprob of each token, accepted draft or not, is the target model's
+        with torch.inference_mode():
+            logits = hf_default(torch.tensor([prompt + request.output_token_ids])).logits[0, len(prompt) - 1 : -1]
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(request.output_token_ids)[:, None])[:, 0]
+        got = torch.tensor([u.sampled.logprob for u in updates if u.req_id == request.req_id])
+        assert torch.allclose(got, expected, atol=2e-3), (got - expected).abs().max()
     assert requests[0].num_accepted_draft_tokens >= max_tokens // 4  # the repeated text is drafted
     assert requests[0].num_draft_tokens > requests[0].num_accepted_draft_tokens or requests[2].num_draft_tokens
     if setting != "roomy":
