@@ -2,9 +2,12 @@
 
     nice python bench/bench_spec_decode.py [--num-speculative-tokens 4] [--output-len 64]
 
-Two workloads on the default model, greedy, `ignore_eos`, exact output lengths:
-  * repeat: "repeat this paragraph with one change" chats, where prompt lookup helps;
-  * random: random token-id prompts (as the W48-like loadgen workload), where it cannot.
+Three workloads on the default model, `ignore_eos`, exact output lengths:
+  * repeat: "repeat this paragraph with one change" chats, greedy: prompt lookup helps;
+  * random: random token-id prompts (as loadgen's), greedy: the model tends to repeat
+    itself on them, which prompt lookup also finds;
+  * random-t1: the same prompts sampled at temperature 1 (seeded): text that prompt
+    lookup cannot predict, where drafts are rejected and should cost next to nothing.
 Each runs with 1 and 4 concurrent streams on two services up at once (a scheduler and a
 CPU executor each, speculation off and on), alternating between them `--rounds` times;
 the table prints median tokens/s, their ratio and the acceptance rate (accepted / draft
@@ -46,7 +49,14 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def _run(svc: Service, prompts: list[list[int]], output_len: int, streams: int) -> tuple[float, float]:
+def _request(prompt: list[int], output_len: int, temperature: float, seed: int):
+    request = greedy_request(prompt_ids=prompt, max_tokens=output_len, ignore_eos=True)
+    if temperature:
+        request.sampling.temperature, request.sampling.seed = temperature, seed
+    return request
+
+
+def _run(svc: Service, prompts: list[list[int]], output_len: int, streams: int, temperature: float = 0.0) -> tuple[float, float]:
     """(tokens/s, acceptance rate) of `prompts`, `streams` at a time."""
     url = f"http://127.0.0.1:{svc.metrics_port}/metrics"
     before = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -54,8 +64,8 @@ def _run(svc: Service, prompts: list[list[int]], output_len: int, streams: int) 
     with ThreadPoolExecutor(streams) as pool:
         results = list(
             pool.map(
-                lambda p: collect(svc.stub.Generate(greedy_request(prompt_ids=p, max_tokens=output_len, ignore_eos=True), timeout=900)),
-                prompts,
+                lambda ip: collect(svc.stub.Generate(_request(ip[1], output_len, temperature, ip[0]), timeout=900)),
+                enumerate(prompts),
             )
         )
     elapsed = time.perf_counter() - start
@@ -85,7 +95,7 @@ def main() -> None:
     ]
     rng = random.Random(0)
     rand = [[rng.randrange(100, 40_000) for _ in range(args.random_prompt_len)] for _ in range(4)]
-    workloads = {"repeat": repeat, "random": rand}
+    workloads = {"repeat": (repeat, 0.0), "random": (rand, 0.0), "random-t1": (rand, 1.0)}
 
     spec = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.num_speculative_tokens)]
     runs: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
@@ -94,14 +104,15 @@ def main() -> None:
         for svc in services.values():
             _run(svc, repeat[:1], 8, 1)  # warm-up
         for _ in range(args.rounds):  # alternate off / on, so that others' load hits both alike
-            for name, prompts in workloads.items():
+            for name, (prompts, temperature) in workloads.items():
                 for streams in (1, 4):
                     for mode, svc in services.items():
-                        runs.setdefault((name, streams, mode), []).append(_run(svc, prompts[:streams], args.output_len, streams))
+                        figures_of = runs.setdefault((name, streams, mode), [])
+                        figures_of.append(_run(svc, prompts[:streams], args.output_len, streams, temperature))
     figures = {key: (statistics.median(r for r, _ in values), statistics.median(a for _, a in values)) for key, values in runs.items()}
 
     print(machine_line(machine_info()))
-    print(f"model SmolLM2-135M-Instruct (default), greedy, {args.output_len} tokens per request, "
+    print(f"model SmolLM2-135M-Instruct (default), {args.output_len} tokens per request, "
           f"ngram drafts k={args.num_speculative_tokens}, one CPU executor per service, median of {args.rounds} alternated runs")
     print(f"{'workload':8} {'streams':>7} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'acceptance':>10}")
     for (name, streams, mode), (rate, _) in figures.items():
