@@ -12,12 +12,18 @@ its end. Requests are laid out decodes first (query length 1), then prefill chun
 
 Nothing here loops over tokens in Python; per-request work is a list slice and a row of
 the block table.
+
+Speculative decoding: a request with k draft tokens is a query of k + 1 positions (its
+last token, then the drafts) whose k + 1 last rows all get logits; `spec_decode.verify`
+keeps the drafts the model agrees with and adds its own token, and the request's
+computed count rolls back by the rejected drafts (their slots are written again later).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,6 +35,7 @@ from executor_svc.loader import load_model, weight_bytes
 from executor_svc.model import DecoderModel, can_pack_for_cpu
 from executor_svc.quant.gguf_linear import GGUFLinear
 from executor_svc.sampler import Sampler, SamplingRow
+from executor_svc.spec_decode import verify
 from pagoda.model_files import fingerprint, gguf_source
 from pagoda.step import NewRequestData, RequestError, SampledToken, SamplingParams, StepPlan, StepResult
 
@@ -82,8 +89,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] rows whose logits are sampled
-    sampled_req_ids: list[str]  # the requests of those rows, in order
+    logits_indices: torch.Tensor  # [num_sampled + drafts] rows whose logits are sampled
+    sampled_req_ids: list[str]  # the requests of those rows, in order (k + 1 rows with k drafts)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -254,7 +261,10 @@ class ModelRunner:
             logits = logits_all[inputs.logits_indices]
         else:
             logits = self.model.compute_logits(hidden, residual, inputs.logits_indices)
-        sampled, errors = self.sample(logits, inputs.sampled_req_ids)
+        if plan.scheduled_spec_decode_tokens:  # (no per-request error isolation on this path yet)
+            sampled, errors = self.sample_with_drafts(logits, inputs.sampled_req_ids, plan.scheduled_spec_decode_tokens), []
+        else:
+            sampled, errors = self.sample(logits, inputs.sampled_req_ids)
         self.finish_step(plan, sampled)
         return StepResult(step_id=plan.step_id, sampled=sampled, errors=earlier_errors + errors), per_request
 
@@ -289,14 +299,19 @@ class ModelRunner:
         query_lens_list = [n for _, n in scheduled]
         context_lens_list = [s.num_computed_tokens for s in states]
         seq_lens_list = [c + n for c, n in zip(context_lens_list, query_lens_list)]
+        drafts = [plan.scheduled_spec_decode_tokens.get(req_id, ()) for req_id in req_ids]
         input_ids_list: list[int] = []
-        for state, start, end in zip(states, context_lens_list, seq_lens_list):
-            if end > len(state.token_ids) or end > len(state.block_ids) * self._block_size:
+        for state, start, end, draft in zip(states, context_lens_list, seq_lens_list, drafts):
+            num_known = len(state.token_ids)
+            if end > num_known + len(draft) or end > len(state.block_ids) * self._block_size:
                 raise PlanError(
-                    f"request {state.req_id}: {end} tokens scheduled, it has {len(state.token_ids)} tokens "
-                    f"and {len(state.block_ids)} blocks"
+                    f"request {state.req_id}: {end} tokens scheduled, it has {num_known} tokens, "
+                    f"{len(draft)} drafts and {len(state.block_ids)} blocks"
                 )
+            if draft and end != num_known + len(draft):
+                raise PlanError(f"request {state.req_id}: drafts scheduled before its last token")
             input_ids_list += state.token_ids[start:end]
+            input_ids_list += draft
 
         num_seqs = len(states)
         max_seq_len = max(seq_lens_list)
@@ -318,8 +333,10 @@ class ModelRunner:
             block_table[seq_index, positions // self._block_size].long() * self._block_size
             + positions % self._block_size
         )
-        sampled = [i for i, (s, end) in enumerate(zip(states, seq_lens_list)) if end == len(s.token_ids)]
-        logits_indices = query_start_loc[1:][sampled] - 1
+        sampled = [i for i, (s, end, d) in enumerate(zip(states, seq_lens_list, drafts)) if end == len(s.token_ids) + len(d)]
+        ends = query_start_loc[1:].tolist()
+        logits_rows = [row for i in sampled for row in range(ends[i] - len(drafts[i]) - 1, ends[i])]
+        logits_indices = torch.tensor(logits_rows, dtype=torch.int64)
 
         device = self._device
         meta = AttentionMetadata(
@@ -336,7 +353,7 @@ class ModelRunner:
             positions=positions.to(device),
             meta=meta,
             logits_indices=logits_indices.to(device),
-            sampled_req_ids=[req_ids[i] for i in sampled],
+            sampled_req_ids=[req_ids[i] for i in sampled for _ in range(len(drafts[i]) + 1)],
         )
 
     def sample(self, logits: torch.Tensor, req_ids: list[str]) -> tuple[list[SampledToken], list[RequestError]]:
@@ -383,11 +400,34 @@ class ModelRunner:
             for i, req_id in enumerate(req_ids)
         ]
 
+    def sample_with_drafts(
+        self, logits: torch.Tensor, row_req_ids: list[str], drafts: dict[str, list[int]]
+    ) -> list[SampledToken]:
+        """Verify the drafts of each request (none: k = 0); 1..k+1 tokens per request, in order."""
+        req_ids = list(dict.fromkeys(row_req_ids))
+        rows, request_drafts = [], []
+        for req_id in req_ids:
+            state, draft = self.requests[req_id], drafts.get(req_id, [])
+            request_drafts.append(draft)
+            rows += [SamplingRow(state.sampling, state.token_ids + draft[:j], state.num_prompt_tokens) for j in range(len(draft) + 1)]
+        verified = verify(self.sampler, logits, rows, request_drafts)
+        chosen = [(req_id, token, row) for req_id, (tokens, row_ids) in zip(req_ids, verified) for token, row in zip(tokens, row_ids)]
+        row_ids = [row for _, _, row in chosen]
+        out = self.sampler.output(logits[row_ids], torch.tensor([t for _, t, _ in chosen], device=logits.device), [rows[r] for r in row_ids])
+        return [
+            SampledToken(req_id=req_id, token_id=token, logprob=out.logprobs[i] or 0.0, top_logprobs=out.top_logprobs[i])
+            for i, (req_id, token, _) in enumerate(chosen)
+        ]
+
     def finish_step(self, plan: StepPlan, sampled: list[SampledToken]) -> None:
         for req_id, n in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         for token in sampled:
             self.requests[token.req_id].token_ids.append(token.token_id)
+        if plan.scheduled_spec_decode_tokens:  # roll back the rejected drafts
+            num_sampled = Counter(token.req_id for token in sampled)
+            for req_id, draft in plan.scheduled_spec_decode_tokens.items():
+                self.requests[req_id].num_computed_tokens -= len(draft) + 1 - num_sampled[req_id]
 
     # -- set-up ---------------------------------------------------------------------------
 

@@ -117,27 +117,26 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         sampled = [i for i, g in enumerate(greedy) if not g]
         params = [rows[i].params for i in sampled]
-        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-        probs = torch.softmax(
-            filter_logits(
-                logits[sampled] / temperature,
-                top_k=[p.top_k for p in params],
-                top_p=[p.top_p for p in params],
-                min_p=[p.min_p for p in params],
-            ),
-            dim=-1,
-        )
+        probs = target_probs(logits[sampled], params)
         noise = torch.empty_like(probs)
         seeded = [j for j, p in enumerate(params) if p.seed is not None]
         if len(seeded) < len(params):
             noise.exponential_()
         for j in seeded:
-            row = rows[sampled[j]]
-            generator = torch.Generator(device=device)
-            generator.manual_seed(position_seed(row.params.seed, len(row.token_ids)))
-            noise[j].exponential_(generator=generator)
+            noise[j].exponential_(generator=row_generator(rows[sampled[j]], device))
         token_ids[sampled] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
         return token_ids
+
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The logits after bias, min_tokens and penalties (the input of argmax or `target_probs`)."""
+        return self._process(logits, rows)
+
+    def output(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Chosen `token_ids` of the rows of raw `logits`, with the logprobs the rows ask for."""
+        params = [r.params for r in rows]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs]
+        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+        return self._output(token_ids, params, logprob_rows, raw_logprobs)
 
     @staticmethod
     def _output(
@@ -162,6 +161,29 @@ class Sampler:
                 if n:
                     top[i] = list(zip(top_ids[j][:n], top_values[j][:n]))
         return SamplerOutput(token_ids=ids, logprobs=logprobs, top_logprobs=top)
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a sampled row draws from: processed logits / temperature, filtered, softmax."""
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    return torch.softmax(
+        filter_logits(
+            logits / temperature,
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+        ),
+        dim=-1,
+    )
+
+
+def row_generator(row: SamplingRow, device: torch.device) -> torch.Generator | None:
+    """A seeded row's own generator for the token at `len(row.token_ids)`; None when unseeded."""
+    if row.params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(position_seed(row.params.seed, len(row.token_ids)))
+    return generator
 
 
 def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:

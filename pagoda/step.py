@@ -17,6 +17,20 @@ for every scheduled request; a request whose computed count then reaches
 from `num_scheduled_tokens` keeps its state untouched. `finished_req_ids` (finished,
 aborted or preempted) drop their state before the step runs; a preempted request comes
 back later as a new request with every token so far.
+
+Speculative decoding: a request at its end (everything but its last token computed) may
+come with draft tokens in `scheduled_spec_decode_tokens`; its `num_scheduled_tokens`
+counts them. The executor computes the last token and the k drafts, k + 1 positions,
+and answers with 1..k+1 tokens for it, in order: the drafts the target model accepted
+(a prefix of them) and one token of its own::
+
+    token_ids  [ ... t ]   drafts [d0 d1 d2]    num_scheduled = 4
+    verified   t -> d0 ok, d0 -> d1 ok, d1 -> d2 rejected: the model says x
+    result     [d0, d1, x]    token_ids [ ... t d0 d1 x ]
+    num_computed_tokens rolls back by the 1 rejected draft: len(token_ids) - 1
+
+Both sides keep the blocks that covered the rejected drafts: the next step writes
+those slots again.
 """
 
 from __future__ import annotations
@@ -93,6 +107,7 @@ class StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: list[str] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -120,6 +135,8 @@ class RequestError:
 
 @dataclass
 class StepResult:
+    """One token per request that reached its end; 1..k+1 in order for a request with k drafts."""
+
     step_id: int
     sampled: list[SampledToken] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)

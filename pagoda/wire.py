@@ -78,6 +78,9 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
         num_scheduled_tokens=plan.num_scheduled_tokens,
         finished_req_ids=plan.finished_req_ids,
         block_copies=[pb.BlockCopy(src=c.src, dst=c.dst) for c in plan.block_copies],
+        scheduled_spec_decode_tokens={
+            req_id: pb.DraftTokens(token_ids=drafts) for req_id, drafts in plan.scheduled_spec_decode_tokens.items()
+        },
     )
 
 
@@ -102,6 +105,9 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
         num_scheduled_tokens=dict(msg.num_scheduled_tokens),
         finished_req_ids=list(msg.finished_req_ids),
         block_copies=[BlockCopy(src=c.src, dst=c.dst) for c in msg.block_copies],
+        scheduled_spec_decode_tokens={
+            req_id: list(drafts.token_ids) for req_id, drafts in msg.scheduled_spec_decode_tokens.items()
+        },
     )
 
 

@@ -15,6 +15,7 @@ import zmq
 from pagoda import link_security, model_files
 from pagoda.cli import StartupError, add_bool_flag, add_flag, env_name, run_main
 from scheduler_svc import auth
+from scheduler_svc.core import SpeculativeConfig
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.server import DEFAULT_MAX_REQUEST_BYTES, build_server
 from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
@@ -52,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p, "--step-timeout", type=float, default=120.0,
         help="seconds to wait for a step result before the executor is judged hung (generous: first steps compile kernels)",
     )
+    add_flag(p, "--speculative-method", default=None, choices=["ngram"], help="speculative decoding: ngram = prompt lookup drafts")
+    add_flag(p, "--num-speculative-tokens", type=int, default=0, help="draft tokens per request and step (0 = off); turns async scheduling off")
+    add_flag(p, "--prompt-lookup-min", type=int, default=2, help="shortest n-gram prompt lookup matches")
+    add_flag(p, "--prompt-lookup-max", type=int, default=5, help="longest n-gram prompt lookup matches")
     add_flag(p, "--shutdown-grace", type=float, default=30.0, help="seconds streams may run on after SIGTERM")
     add_flag(p, "--metrics-port", type=int, default=9400, help="Prometheus /metrics port on --host (0 = off)")
     add_flag(
@@ -101,6 +106,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("port", "metrics_port"):
         if not 0 <= getattr(args, flag) <= 65535:
             _refuse(p, f"--{flag.replace('_', '-')} must be a port number in [0, 65535], got {getattr(args, flag)}")
+    if args.speculative_method and args.num_speculative_tokens <= 0:
+        p.error("--speculative-method needs --num-speculative-tokens K (K >= 1)")
+    if args.num_speculative_tokens:
+        try:
+            args.speculative = SpeculativeConfig(
+                num_speculative_tokens=args.num_speculative_tokens,
+                method=args.speculative_method or "ngram",
+                prompt_lookup_min=args.prompt_lookup_min,
+                prompt_lookup_max=args.prompt_lookup_max,
+            )
+        except ValueError as error:
+            p.error(str(error))
+    else:
+        args.speculative = None
     return args
 
 
@@ -160,6 +179,11 @@ async def _listen(args: argparse.Namespace, engine: Engine, spec, model_name: st
 async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> None:
     model_dir, tokenizer, spec = _load_model(args.model)
     max_model_len = min(args.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    speculative = args.speculative
+    if speculative is not None:
+        if args.async_scheduling:
+            # drafts need each request's latest tokens: a step cannot be planned before the last result
+            log.info("speculative decoding (%d ngram drafts): async scheduling is off", args.num_speculative_tokens)
     config = EngineConfig(
         model_fingerprint=model_files.fingerprint(model_dir),
         block_size=args.block_size,
@@ -170,7 +194,8 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
         max_waiting_requests=args.max_waiting_requests,
         executor_timeout_s=args.executor_timeout,
         no_executor_wait_s=args.no_executor_wait,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling and speculative is None,
+        speculative=speculative,
         vocab_size=spec.vocab_size,
         max_kv_blocks=max_kv_blocks(args, spec.kv_elements_per_token),
         step_timeout_s=args.step_timeout,

@@ -32,6 +32,7 @@ class SampleStream:
     finished: bool = False
     finish_reason: int = 0
     last_token_time: float = 0.0
+    num_accepted_draft_tokens: int = 0  # of its tokens, drafts the model accepted
 
 
 @dataclass
@@ -125,6 +126,7 @@ class ClientStream:
                     prompt_tokens=len(self.params.prompt_token_ids),
                     completion_tokens=completion,
                     cached_prompt_tokens=self.num_cached_tokens,
+                    accepted_draft_tokens=sum(s.num_accepted_draft_tokens for s in self.samples),
                 )
             )
         )

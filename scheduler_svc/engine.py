@@ -126,6 +126,11 @@ class Engine:
             raise ResourceExhausted(
                 f"the waiting queue is full ({self.config.max_waiting_requests} requests); retry later"
             )
+        if params.beam_width > 1 and self.config.speculative is not None:
+            raise InvalidArgument(
+                "sampling.beam_width",
+                "beam search does not run with speculative decoding; this server drafts tokens (--num-speculative-tokens)",
+            )
         max_tokens = self._max_tokens(params)
         stream = ClientStream.create(params, self.tokenizer)
         owners = owners_for(stream, max_tokens, self.metrics, vocab_size=len(self.tokenizer))
@@ -294,7 +299,7 @@ class Engine:
     # ---- step loop ----------------------------------------------------------------------
     async def _step_loop(self, handle: ExecutorHandle) -> None:
         """schedule -> execute -> update, with up to one step planned ahead of the last result."""
-        ahead = 1 if self.config.async_scheduling else 0
+        ahead = 1 if self.config.async_scheduling and self.config.speculative is None else 0
         in_flight: deque[tuple[StepPlan, asyncio.Future]] = deque()
         await self.pool.send_registered(handle)
         while handle.alive:
@@ -344,6 +349,7 @@ class Engine:
             owner.on_update(scheduler, update, self.owners)
             if owner.done:
                 self._close(owner.stream)
+        self.metrics.observe_spec_decode(scheduler.take_spec_decode_stats())
         for request in scheduler.take_movable():
             self.queue.push([request])
         self._dispatch()

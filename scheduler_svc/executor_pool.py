@@ -23,7 +23,7 @@ from pagoda import wire
 from pagoda.link_security import LinkKeys
 from pagoda.step import StepPlan, StepResult
 from pagoda.v1 import executor_pb2 as xpb
-from scheduler_svc.core import Request, Scheduler, SchedulerConfig
+from scheduler_svc.core import Request, Scheduler, SchedulerConfig, SpeculativeConfig
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.result_check import sampled_values_problem
@@ -54,6 +54,7 @@ class EngineConfig:
     vocab_size: int | None = None  # None: token ids are not range-checked
     max_kv_blocks: int = 2**24  # largest num_kv_blocks a Register may announce
     step_timeout_s: float = 120.0  # a step result later than this: the executor is hung (#16)
+    speculative: SpeculativeConfig | None = None  # draft tokens (async scheduling is then off)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests"):
@@ -243,6 +244,7 @@ class ExecutorPool:
                 max_num_seqs=self.config.max_num_seqs,
                 max_model_len=self.config.max_model_len,
                 enable_prefix_caching=self.config.enable_prefix_caching,
+                speculative=self.config.speculative,
             )
         )
         handle = ExecutorHandle(executor_id, msg.device, core, last_seen=time.monotonic(), weight_bytes=msg.weight_bytes)

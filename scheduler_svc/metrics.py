@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from scheduler_svc.core import FinishReason, SchedulerStats
+from scheduler_svc.core import FinishReason, SchedulerStats, SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -68,6 +68,12 @@ class Metrics:
             "Requests ended with INTERNAL: executor_error (pinned on it by its executor), poison_pill (in the step of 2 lost executors)",
             ["reason"], registry=r,
         )
+        self.spec_drafts = Counter("pagoda:spec_decode_num_drafts", "Speculative drafts verified", registry=r)
+        self.spec_draft_tokens = Counter("pagoda:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("pagoda:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "pagoda:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft", ["position"], registry=r
+        )
 
         self.registry.register(_SnapshotCollector(snapshot))
 
@@ -82,6 +88,15 @@ class Metrics:
         self.ttft.observe(time.monotonic() - arrival)
         self.prefix_queries.inc(prompt_tokens)
         self.prefix_hits.inc(cached_tokens)
+
+    def observe_spec_decode(self, stats: SpecDecodeStats) -> None:
+        if not stats.num_drafts:
+            return
+        self.spec_drafts.inc(stats.num_drafts)
+        self.spec_draft_tokens.inc(stats.num_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.num_accepted_tokens)
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+            self.spec_accepted_per_pos.labels(str(position)).inc(count)
 
     def observe_finish(self, arrival: float, prompt_tokens: int, finish_reasons: list[int]) -> None:
         self.e2e.observe(time.monotonic() - arrival)

@@ -87,6 +87,7 @@ class SampleOwner:
     def on_update(self, scheduler: Scheduler, update: RequestUpdate, owners: Owners) -> None:
         stream, sample = self.stream, self.sample
         self._observe_token()
+        sample.num_accepted_draft_tokens = self.request.num_accepted_draft_tokens
         reason = None if update.finish_reason is None else int(update.finish_reason)
         matched = stream.on_token(sample, update.sampled, reason)
         if matched is not None and update.finish_reason is None:

@@ -2,7 +2,7 @@
 
 An executor is trusted with the KV cache, not with the streams' contents. The core
 scheduler already refuses a result that does not fit its plan (wrong step id, a token
-for a request the step does not sample, two tokens for one request, a missing token:
+for a request the step does not sample, tokens for one request beyond its verified drafts, a missing token:
 `Scheduler.update_from_output` raises ValueError, changing nothing); this adds the values:
 token ids inside the vocabulary and a sampled token's logprob a finite number <= 0. Either kind of
 violation ends that executor's session, and its requests resume elsewhere from the

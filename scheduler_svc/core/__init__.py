@@ -5,9 +5,9 @@ are adapters around `Scheduler.add_requests` / `schedule` / `update_from_output`
 """
 
 from scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
-from scheduler_svc.core.config import SchedulerConfig, fit_error
+from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig, fit_error
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
-from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
+from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats, SpecDecodeStats
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 
@@ -22,5 +22,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",
+    "SpecDecodeStats",
+    "SpeculativeConfig",
     "fit_error",
 ]

@@ -26,6 +26,31 @@ def fit_error(num_prompt_tokens: int, max_tokens: int | None, max_seq_len: int) 
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (vLLM's `ngram` method and flag names).
+
+    Each step, a decoding request gets up to `num_speculative_tokens` draft tokens: the
+    tokens that followed the earliest earlier occurrence of its last n tokens, for the
+    largest n in [prompt_lookup_min, prompt_lookup_max] that occurs.
+    """
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method {self.method!r}: only 'ngram' is supported")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one executor's scheduler.
 
@@ -40,6 +65,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None  # None: no drafts
 
     def __post_init__(self) -> None:
         minimums = {

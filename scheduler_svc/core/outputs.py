@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pagoda.step import SampledToken
@@ -42,3 +42,25 @@ class SchedulerStats:
         if self.kv_slots_allocated == 0:
             return 0.0
         return 1.0 - self.kv_tokens_held / self.kv_slots_allocated
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding since the last `Scheduler.take_spec_decode_stats()` (vLLM's counters).
+
+    `num_accepted_tokens_per_pos[i]`: drafts whose i-th token was accepted.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1

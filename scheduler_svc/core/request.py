@@ -14,7 +14,9 @@ Accounting, the same on both sides of the step protocol (see `pagoda.step`)::
 planned, so the next step can be planned while this one runs. A step that brings it up
 to `num_tokens + num_output_placeholders` will sample a token: the placeholder count
 grows by one until that step's result is applied. Hence a running request always has at
-least one token to compute.
+least one token to compute. A step that also verifies k draft tokens (speculative
+decoding) counts them as computed and reserves k + 1 placeholders; its result rolls the
+computed count back by the drafts the model rejected.
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ class Request:
     was_scheduled: bool = False
     is_beam: bool = False
     cache_salt: str = ""  # tenant + GenerateRequest.cache_salt: prefix-cache hits only among equal salts
+    # speculative decoding: drafts verified, of them accepted; the backoff of `spec_decode`
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    draft_misses: int = 0
+    draft_pause: int = 0
     _all_token_ids: list[int] = field(init=False, repr=False)
     _stop_token_ids: frozenset[int] = field(init=False, repr=False)
 

@@ -23,6 +23,14 @@ are one rule::
     3. nothing scheduled, yet a request waits while beams are held: preempt the
        latest held beam (one per step), so held beams never block admission
 
+Speculative decoding (`SchedulerConfig.speculative`): a running request at its end
+(one token to compute, no token in flight) also gets up to k draft tokens from prompt
+lookup (`spec_decode.NgramProposer`), within the budget, its length limits and free
+blocks (drafts never preempt anyone). The step computes 1 + k positions and returns
+1..k+1 tokens; the computed count then rolls back by the rejected drafts, whose blocks
+stay in the table for the next step to overwrite. Blocks are cached only up to the
+accepted tokens. Beams never draft.
+
 Beams of beam search (`Request.is_beam`) are held after their token, neither
 scheduled nor admitted, until `fork_beams` replaces them by their children (or they
 are finished). Forked children start RUNNING on the parent's blocks; each is sent to
@@ -49,9 +57,10 @@ from dataclasses import dataclass
 from pagoda.step import BlockCopy, CachedRequestData, NewRequestData, SampledToken, StepPlan, StepResult
 from scheduler_svc.core.config import SchedulerConfig, cdiv, fit_error
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
-from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
+from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats, SpecDecodeStats
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.sibling_groups import SiblingGroups
+from scheduler_svc.core.spec_decode import DraftBackoff, NgramProposer
 
 __all__ = ["RequestUpdate", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -65,6 +74,12 @@ class _InFlight:
     plan: StepPlan
     requests: dict[str, Request]  # the scheduled requests as they were planned
     expects_token: frozenset[str]
+
+    def num_placeholders(self, req_id: str) -> int:
+        """Tokens the step may sample for `req_id`: 1, or 1 + its drafts."""
+        if req_id not in self.expects_token:
+            return 0
+        return 1 + len(self.plan.scheduled_spec_decode_tokens.get(req_id, ()))
 
 
 class Scheduler:
@@ -91,6 +106,8 @@ class Scheduler:
         self._next_seq = 0
         self._next_step_id = 0
         self._in_flight: deque[_InFlight] = deque()  # oldest first
+        self._proposer = NgramProposer(config.speculative) if config.speculative else None
+        self._spec_stats = SpecDecodeStats()
 
     # ---- front end ------------------------------------------------------------------------
 
@@ -268,6 +285,11 @@ class Scheduler:
         """Ids the executor still holds that the next plan tells it to drop."""
         return tuple(self._finished_req_ids)
 
+    def take_spec_decode_stats(self) -> SpecDecodeStats:
+        """The speculative decoding counts since the last call (for metrics)."""
+        stats, self._spec_stats = self._spec_stats, SpecDecodeStats()
+        return stats
+
     def stats(self) -> SchedulerStats:
         pool = self.kv_cache_manager.block_pool
         slots, tokens = self.kv_cache_manager.kv_usage(self._running)
@@ -306,9 +328,10 @@ class Scheduler:
         requests, expects_token = {}, set()
         for req_id, num_scheduled in plan.num_scheduled_tokens.items():
             request = requests[req_id] = self._requests[req_id]
+            num_drafts = len(plan.scheduled_spec_decode_tokens.get(req_id, ()))
             request.num_computed_tokens += num_scheduled
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders + num_drafts:
+                request.num_output_placeholders += 1 + num_drafts
                 expects_token.add(req_id)
         return _InFlight(plan, requests, frozenset(expects_token))
 
@@ -323,20 +346,32 @@ class Scheduler:
         if not plan.num_scheduled_tokens:
             return []
         in_flight = self._in_flight.popleft()
-        sampled = {token.req_id: token for token in result.sampled}
-        failed = {error.req_id for error in result.errors}
+        sampled: dict[str, list[SampledToken]] = {}
+        for token in result.sampled:
+            sampled.setdefault(token.req_id, []).append(token)
         updates = []
         for req_id, planned in in_flight.requests.items():
             request = self._requests.get(req_id)
             if request is not planned:
                 continue
-            if req_id in in_flight.expects_token:
-                request.num_output_placeholders -= 1
+            request.num_output_placeholders -= in_flight.num_placeholders(req_id)
+            drafts = in_flight.plan.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and req_id in sampled:  # (a request that failed alone has no token)
+                self._roll_back_rejected(request, len(drafts), len(sampled[req_id]) - 1)
             if request.status is _RUNNING:
                 self.kv_cache_manager.cache_full_blocks(request)
-            if req_id in in_flight.expects_token and req_id not in failed:
-                updates.append(self._append_sampled(request, sampled[req_id]))
+            for token in sampled.get(req_id, ()):
+                updates.append(self._append_sampled(request, token))
+                if request.is_finished:
+                    break
         return updates
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Uncount the rejected drafts' positions; their blocks stay, to be written again."""
+        if request.status is _RUNNING:
+            request.num_computed_tokens -= num_drafts - num_accepted
+        self._spec_stats.observe(num_drafts, num_accepted)
+        DraftBackoff.on_verified(request, num_drafts, num_accepted)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless blocks, queues and requests agree (tests, idle checks)."""
@@ -352,9 +387,7 @@ class Scheduler:
             if request.status is not _RUNNING or not 0 <= request.num_computed_tokens < request.num_tokens + request.num_output_placeholders:
                 raise AssertionError(f"running request {request.req_id!r} has a bad state")
         for request in self._requests.values():
-            pending = sum(
-                1 for f in self._in_flight if f.requests.get(request.req_id) is request and request.req_id in f.expects_token
-            )
+            pending = sum(f.num_placeholders(request.req_id) for f in self._in_flight if f.requests.get(request.req_id) is request)
             if request.num_output_placeholders != pending:
                 raise AssertionError(f"request {request.req_id!r}: {request.num_output_placeholders} placeholders, {pending} tokens in flight")
         if not self._held <= set(self._requests) or not self._unsent <= {r.req_id for r in self._running}:
@@ -370,22 +403,54 @@ class Scheduler:
                 continue
             if request.num_output_placeholders and self._only_awaits_result(request):
                 continue
-            num_new = min(request.num_tokens_to_compute, budget)
-            new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+            drafts, new_block_ids = self._draft(request, budget)
+            num_new = 1 + len(drafts) if drafts else min(request.num_tokens_to_compute, budget)
+            if not drafts:
+                new_block_ids = self._allocate_or_preempt(request, num_new, plan)
             if new_block_ids is None:
                 continue
             if request.req_id not in self._unsent:  # a forked beam is sent in full by _send_forked
                 plan.cached_requests.append(CachedRequestData(request.req_id, new_block_ids))
             plan.num_scheduled_tokens[request.req_id] = num_new
+            if drafts:
+                plan.scheduled_spec_decode_tokens[request.req_id] = drafts
             budget -= num_new
         return budget
 
+    def _draft(self, request: Request, budget: int) -> tuple[list[int], list[int] | None]:
+        """Draft tokens for a request at its end, and the new blocks they need; ([], None) if none.
+
+        At most k, one step's budget less its last token, and what its length limits
+        leave after the token the model adds; drafts that find no free block are dropped.
+        """
+        if (
+            self._proposer is None
+            or request.is_beam
+            or request.num_output_placeholders
+            or request.num_tokens_to_compute != 1
+            or not DraftBackoff.may_draft(request)
+        ):
+            return [], None
+        max_drafts = min(
+            self._proposer.config.num_speculative_tokens,
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self._max_seq_len - request.num_tokens - 1,
+        )
+        drafts = self._proposer.propose(request.all_token_ids, max_drafts)
+        if not drafts:
+            return [], None
+        new_block_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
+        return (drafts, new_block_ids) if new_block_ids is not None else ([], None)
+
     def _only_awaits_result(self, request: Request) -> bool:
-        """Nothing to plan until a token in flight is back: a beam lives for one token, and a
-        request whose pending tokens reach a length limit is done (planning on would be waste)."""
+        """Nothing to plan until a token in flight is back: a beam lives for one token, a
+        request with drafts in flight does not know its length yet, and a request whose
+        pending tokens reach a length limit is done (planning on would be waste)."""
         pending = request.num_output_placeholders
         return (
             request.is_beam
+            or any(request.req_id in f.plan.scheduled_spec_decode_tokens for f in self._in_flight)
             or request.num_output_tokens + pending >= request.max_tokens
             or request.num_tokens + pending >= self._max_seq_len
         )
@@ -588,19 +653,22 @@ class Scheduler:
             return
         if not self._in_flight or plan is not self._in_flight[0].plan:
             raise ValueError(f"plan {plan.step_id} is not the oldest step in flight")
-        sampled_ids = {token.req_id for token in result.sampled}
-        if len(sampled_ids) != len(result.sampled):
-            raise ValueError(f"step {plan.step_id}: a request sampled twice")
-        for req_id in sampled_ids:
-            if req_id not in plan.num_scheduled_tokens:
-                raise ValueError(f"step {plan.step_id}: token for unscheduled request {req_id!r}")
+        sampled: dict[str, list[int]] = {}
+        for token in result.sampled:
+            if token.req_id not in plan.num_scheduled_tokens:
+                raise ValueError(f"step {plan.step_id}: token for unscheduled request {token.req_id!r}")
+            sampled.setdefault(token.req_id, []).append(token.token_id)
         failed = {error.req_id for error in result.errors}
-        if failed - set(plan.num_scheduled_tokens) or failed & sampled_ids:
+        if failed - set(plan.num_scheduled_tokens) or failed & set(sampled):
             raise ValueError(f"step {plan.step_id}: errors for unscheduled or sampled requests {sorted(failed)}")
-        missing = self._in_flight[0].expects_token - sampled_ids - failed
-        extra = sampled_ids - self._in_flight[0].expects_token
+        expects = self._in_flight[0].expects_token
+        missing, extra = expects - set(sampled) - failed, set(sampled) - expects
         if missing or extra:
             raise ValueError(f"step {plan.step_id}: tokens missing for {sorted(missing)}, unexpected for {sorted(extra)}")
+        for req_id, token_ids in sampled.items():
+            drafts = plan.scheduled_spec_decode_tokens.get(req_id, [])
+            if len(token_ids) > 1 + len(drafts) or token_ids[:-1] != drafts[: len(token_ids) - 1]:
+                raise ValueError(f"step {plan.step_id}: request {req_id!r} got {token_ids} for drafts {drafts}")
 
     def _key(self, request: Request) -> tuple[int, float, int]:
         return self._order[request.req_id]

@@ -7,7 +7,14 @@ slot of positions 0..end of each scheduled request holds that request's own
 fingerprint. So a wrong prefix hit, a missing block copy, a block shared while being
 written, or a block reused too early is caught where a real model would silently
 produce different tokens. Sampled tokens are a deterministic function of the full
-token sequence and the seed.
+token sequence and the seed, or (`markov=True`) of the last token and the seed, whose
+periodic text prompt lookup predicts well.
+
+Draft tokens (speculative decoding) are written and attended like any position; the
+fake model then accepts the longest prefix it agrees with plus its own next token,
+and rolls its computed count back: the rejected positions' slots keep the drafts'
+fingerprints, so a scheduler that counted them as computed, or cached their blocks,
+is caught by the next attend.
 """
 
 from __future__ import annotations
@@ -23,6 +30,12 @@ def next_token(fingerprint: int, seed: int | None, vocab_size: int) -> int:
     return hash((fingerprint, seed or 0, 0x5EED)) % vocab_size
 
 
+def predict(state: "FakeRequestState", vocab_size: int, markov: bool) -> int:
+    """The fake model's token after `state.token_ids`."""
+    context = state.token_ids[-1] if markov else state.fingerprint(len(state.token_ids) - 1)
+    return next_token(context, state.seed, vocab_size)
+
+
 @dataclass
 class FakeRequestState:
     token_ids: list[int]
@@ -32,20 +45,35 @@ class FakeRequestState:
     num_computed_tokens: int
     fingerprints: list[int] = field(default_factory=list)
 
+    def truncate(self, num_tokens: int) -> None:
+        del self.token_ids[num_tokens:]
+        del self.fingerprints[num_tokens:]
+
     def fingerprint(self, position: int) -> int:
         while len(self.fingerprints) <= position:
             parent = self.fingerprints[-1] if self.fingerprints else 17
             self.fingerprints.append(hash((parent, self.token_ids[len(self.fingerprints)])))
         return self.fingerprints[position]
 
+    def fingerprint_with(self, position: int, drafts: list[int]) -> int:
+        """The fingerprint of `position` with `drafts` appended; the state is left as it was."""
+        num_tokens = len(self.token_ids)
+        self.token_ids.extend(drafts)
+        value = self.fingerprint(position)
+        self.truncate(num_tokens)
+        return value
+
 
 class FakeExecutor:
     """Runs `StepPlan`s against a fingerprint KV cache; raises AssertionError on any misuse."""
 
-    def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 64) -> None:
+    def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 64, markov: bool = False) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
+        self.markov = markov
+        self.num_drafts_accepted = 0
+        self.num_drafts_rejected = 0
         self.states: dict[str, FakeRequestState] = {}
         self.slots: dict[int, int] = {}
         self.num_steps = 0
@@ -73,13 +101,12 @@ class FakeExecutor:
         for cached in plan.cached_requests:
             assert cached.req_id in self.states, f"diff for unknown request {cached.req_id}"
             self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
+        drafts = plan.scheduled_spec_decode_tokens
         for req_id, num_scheduled in plan.num_scheduled_tokens.items():
-            self._write(req_id, num_scheduled)
+            self._write(req_id, num_scheduled, drafts.get(req_id, []))
         sampled = []
         for req_id, num_scheduled in plan.num_scheduled_tokens.items():
-            token = self._attend_and_sample(req_id, num_scheduled)
-            if token is not None:
-                sampled.append(token)
+            sampled += self._attend_and_sample(req_id, num_scheduled, drafts.get(req_id, []))
         return StepResult(step_id=plan.step_id, sampled=sampled)
 
     def _slot(self, state: FakeRequestState, position: int) -> int:
@@ -98,26 +125,39 @@ class FakeExecutor:
             else:
                 self.slots[dst * self.block_size + offset] = value
 
-    def _write(self, req_id: str, num_scheduled: int) -> None:
+    def _write(self, req_id: str, num_scheduled: int, drafts: list[int]) -> None:
         state = self.states[req_id]
         start = state.num_computed_tokens
-        assert num_scheduled >= 1 and start + num_scheduled <= len(state.token_ids), (req_id, start, num_scheduled)
+        assert num_scheduled >= 1 and start + num_scheduled <= len(state.token_ids) + len(drafts), (req_id, start, num_scheduled)
+        if drafts:
+            assert start + num_scheduled == len(state.token_ids) + len(drafts), f"{req_id}: drafts not at the end"
         for position in range(start, start + num_scheduled):
-            self.slots[self._slot(state, position)] = state.fingerprint(position)
+            self.slots[self._slot(state, position)] = state.fingerprint_with(position, drafts)
 
-    def _attend_and_sample(self, req_id: str, num_scheduled: int) -> SampledToken | None:
+    def _attend_and_sample(self, req_id: str, num_scheduled: int, drafts: list[int]) -> list[SampledToken]:
         state = self.states[req_id]
         state.num_computed_tokens += num_scheduled
+        num_tokens = len(state.token_ids)
+        state.token_ids.extend(drafts)
         for position in range(state.num_computed_tokens):
             slot = self._slot(state, position)
             assert self.slots.get(slot) == state.fingerprint(position), (
                 f"{req_id}: KV of position {position} (slot {slot}) is not this request's"
             )
         if state.num_computed_tokens < len(state.token_ids):
-            return None
-        token_id = next_token(state.fingerprint(len(state.token_ids) - 1), state.seed, self.vocab_size)
-        state.token_ids.append(token_id)
-        return SampledToken(req_id=req_id, token_id=token_id)
+            return []
+        num_accepted = 0
+        state.truncate(num_tokens)
+        while True:  # the model's token after each accepted prefix
+            token_id = predict(state, self.vocab_size, self.markov)
+            state.token_ids.append(token_id)
+            if num_accepted == len(drafts) or token_id != drafts[num_accepted]:
+                break
+            num_accepted += 1
+        state.num_computed_tokens -= len(drafts) - num_accepted
+        self.num_drafts_accepted += num_accepted
+        self.num_drafts_rejected += len(drafts) - num_accepted
+        return [SampledToken(req_id=req_id, token_id=t) for t in state.token_ids[num_tokens:]]
 
 
 def step(scheduler: Scheduler, executor: FakeExecutor) -> list[RequestUpdate]:
@@ -175,12 +215,12 @@ def make_request(
     )
 
 
-def reference_output(request: Request, max_seq_len: int, vocab_size: int = 64) -> list[int]:
+def reference_output(request: Request, max_seq_len: int, vocab_size: int = 64, markov: bool = False) -> list[int]:
     """The tokens `request` must end with if it runs to a natural stop, computed directly."""
     state = FakeRequestState(list(request.prompt_token_ids), request.num_prompt_tokens, request.sampling.seed, [], 0)
     output: list[int] = []
     while True:
-        token_id = next_token(state.fingerprint(len(state.token_ids) - 1), state.seed, vocab_size)
+        token_id = predict(state, vocab_size, markov)
         state.token_ids.append(token_id)
         output.append(token_id)
         if token_id in request.stop_token_ids and len(output) >= request.sampling.min_tokens:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagoda.step import SamplingParams
-from scheduler_svc.core import FinishReason, Request, Scheduler, SchedulerConfig
+from scheduler_svc.core import FinishReason, Request, Scheduler, SchedulerConfig, SpeculativeConfig
 
 from .fake_executor import FakeExecutor, assert_views_agree, reference_output, run_to_completion, step
 
@@ -28,6 +28,13 @@ configs = st.builds(
     max_num_seqs=st.integers(1, 6),
     max_model_len=st.integers(4, 40),
     enable_prefix_caching=st.booleans(),
+)
+
+speculative_configs = st.builds(
+    SpeculativeConfig,
+    num_speculative_tokens=st.integers(1, 5),
+    prompt_lookup_min=st.integers(1, 2),
+    prompt_lookup_max=st.integers(2, 4),
 )
 
 
@@ -58,10 +65,10 @@ def request_groups(draw: st.DrawFn, first_id: int) -> list[Request]:
     ]
 
 
-def check_outputs(requests: list[Request], max_seq_len: int) -> None:
+def check_outputs(requests: list[Request], max_seq_len: int, markov: bool = False, vocab_size: int = VOCAB_SIZE) -> None:
     for request in requests:
         assert request.is_finished, request.req_id
-        expected = reference_output(request, max_seq_len, VOCAB_SIZE)
+        expected = reference_output(request, max_seq_len, vocab_size, markov)
         if request.finish_reason in (FinishReason.ABORTED, FinishReason.STOP_SEQUENCE):
             assert request.output_token_ids == expected[: request.num_output_tokens], request.req_id
         else:
@@ -69,13 +76,25 @@ def check_outputs(requests: list[Request], max_seq_len: int) -> None:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """add / step / finish / abort / drain-and-move, checked after every rule."""
+    """add / step / finish / abort / drain-and-move, checked after every rule.
+
+    `speculative`: every history also drafts tokens (prompt lookup), against a fake
+    model with a small vocabulary that is sometimes predictable (`markov`), so drafts
+    are accepted and rejected.
+    """
+
+    speculative = False
+    vocab_size = VOCAB_SIZE
 
     @initialize(config=configs, data=st.data())
     def start(self, config: SchedulerConfig, data: st.DataObject) -> None:
+        self.markov = False
+        if self.speculative:
+            config = dataclasses.replace(config, speculative=data.draw(speculative_configs, label="speculative"))
+            self.markov = data.draw(st.booleans(), label="markov")
         self.config = config
         self.scheduler = Scheduler(config)
-        self.executor = FakeExecutor(config.block_size, config.num_blocks, VOCAB_SIZE)
+        self.executor = self._new_executor()
         self.requests: list[Request] = []
         self.num_moves = 0
         self.num_preemptions = 0
@@ -96,13 +115,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.add_requests(group)
         self.requests.extend(group)
 
+    def _new_executor(self) -> FakeExecutor:
+        return FakeExecutor(self.config.block_size, self.config.num_blocks, self.vocab_size, self.markov)
+
     @rule(num_steps=st.integers(1, 4))
     def run_steps(self, num_steps: int) -> None:
         for _ in range(num_steps):
+            by_request: dict[str, list] = {}
             for update in step(self.scheduler, self.executor):
-                request = next(r for r in self.requests if r.req_id == update.req_id)
-                assert request.output_token_ids[-1] == update.sampled.token_id
-                assert (update.finish_reason is not None) == request.is_finished
+                by_request.setdefault(update.req_id, []).append(update)
+            for req_id, updates in by_request.items():  # several with accepted drafts
+                request = next(r for r in self.requests if r.req_id == req_id)
+                assert request.output_token_ids[-len(updates) :] == [u.sampled.token_id for u in updates]
+                assert all(u.finish_reason is None for u in updates[:-1])
+                assert (updates[-1].finish_reason is not None) == request.is_finished
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), reason=st.sampled_from([FinishReason.ABORTED, FinishReason.STOP_SEQUENCE]))
@@ -137,7 +163,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         stats = self.scheduler.stats()
         assert stats.num_free_blocks == stats.num_total_blocks and stats.kv_slots_allocated == 0
         self.scheduler = Scheduler(self.config)
-        self.executor = FakeExecutor(self.config.block_size, self.config.num_blocks, VOCAB_SIZE)
+        self.executor = self._new_executor()
         for request in drained:
             self.scheduler.add_requests([request])
         self.num_moves += 1
@@ -156,7 +182,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         run_to_completion(self.scheduler, self.executor, max_steps=5_000)
         stats = self.scheduler.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
-        check_outputs(self.requests, self.config.max_seq_len)
+        check_outputs(self.requests, self.config.max_seq_len, self.markov, self.vocab_size)
         self._count_events()
         event(f"preempted: {self.num_preemptions > 0}")
         event(f"block copies: {self.num_block_copies > 0}")
@@ -167,6 +193,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.num_preemptions += self.scheduler.num_preemptions
         self.num_block_copies += self.executor.num_block_copies
         self.num_new_with_computed += self.executor.num_new_with_computed
+        if self.speculative:
+            event(f"drafts accepted: {self.executor.num_drafts_accepted > 0}")
+            event(f"drafts rejected: {self.executor.num_drafts_rejected > 0}")
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

@@ -40,9 +40,10 @@ def test_step_plan_roundtrip():
         step_id=42,
         new_requests=[NewRequestData("a", [1, 2, 3], 2, sampling, [5, 9], 1)],
         cached_requests=[CachedRequestData("b", [11]), CachedRequestData("c", [])],
-        num_scheduled_tokens={"a": 2, "b": 1, "c": 1},
+        num_scheduled_tokens={"a": 2, "b": 4, "c": 1},
         finished_req_ids=["d"],
         block_copies=[BlockCopy(9, 12)],
+        scheduled_spec_decode_tokens={"b": [7, 8, 9]},
     )
     assert _roundtrip(wire.plan_to_proto, wire.plan_from_proto, plan, pb.StepPlan) == plan
 
