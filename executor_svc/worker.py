@@ -85,7 +85,6 @@ class Worker:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._stop = threading.Event()
         self._draining = threading.Event()
-        self._last_step_id = 0
 
     # ---- public ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -198,7 +197,6 @@ class Worker:
             block_size=runner.block_size,
             num_kv_blocks=runner.num_kv_blocks,
             device=runner.device,
-            max_model_len=runner.max_model_len,
             vocab_size=runner.vocab_size,
             heartbeat_token=self._heartbeat_token,
             weight_bytes=runner.weight_bytes,
@@ -251,7 +249,6 @@ class Worker:
                 return 0
 
     def _execute(self, plan_msg: pb.StepPlan) -> pb.StepResult:
-        self._last_step_id = plan_msg.step_id
         try:
             result = self._runner.execute(wire.plan_from_proto(plan_msg))
             return wire.result_to_proto(result)
@@ -264,7 +261,7 @@ class Worker:
         sock = self._link_socket(f"{self.executor_id}/hb", linger_ms=0, sndhwm=4)
         try:
             while not self._stop.wait(self.config.heartbeat_interval_s):
-                beat = pb.Heartbeat(executor_id=self.executor_id, last_step_id=self._last_step_id, token=self._heartbeat_token)
+                beat = pb.Heartbeat(executor_id=self.executor_id, token=self._heartbeat_token)
                 try:
                     sock.send(pb.ExecutorMessage(heartbeat=beat).SerializeToString(), zmq.NOBLOCK)
                 except zmq.Again:

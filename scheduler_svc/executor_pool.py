@@ -219,7 +219,6 @@ class ExecutorPool:
                 block_size=self.config.block_size,
                 # the largest step this scheduler may plan (a GPU executor profiles its memory with it)
                 max_num_batched_tokens=self.config.max_num_batched_tokens or DEFAULT_GPU_STEP_BUDGET,
-                max_model_len=self.config.max_model_len,
                 model_fingerprint=self.config.model_fingerprint,
             )
         )
@@ -257,7 +256,7 @@ class ExecutorPool:
 
     async def send_registered(self, handle: ExecutorHandle) -> None:
         """Registered goes out before the first plan: until it has it, an executor drops plans."""
-        await self.link.send(handle.executor_id, xpb.SchedulerMessage(registered=xpb.Registered(scheduler_id="pagoda")))
+        await self.link.send(handle.executor_id, xpb.SchedulerMessage(registered=xpb.Registered()))
 
     def _registration_problem(self, msg: xpb.Register) -> str:
         if msg.model_fingerprint != self.config.model_fingerprint:
