@@ -1,14 +1,16 @@
 """Tensor parallelism on the CPU: TP=2 vs TP=1 step time, the collectives' share, plan broadcast vs ZeroMQ.
 
     nice -n 10 .venv/bin/python bench/bench_tp.py [--hidden 256] [--layers 4] [--batch 8] [--steps 60]
+    python bench/bench_tp.py --device cuda --tp 2 --hidden 4096 --layers 8 --batch 64   # GPUs, NCCL
 
 A random Llama (GQA, --hidden, --layers) saved to a temp folder; --batch requests prefilled,
-then --steps decode steps timed. TP=1 is a `ModelRunner`; TP=2 two gloo ranks (processes)
+then --steps decode steps timed. TP=1 is a `ModelRunner`; TP=N (--tp, 2) N ranks (processes; gloo on the CPU, NCCL on GPUs)
 through `LeaderRunner` / `FollowerRunner`, rank 0 timing its step and, inside it, every
 collective (plan broadcast, all-reduces, logits gather). Then the plan's way to the other
-ranks, one way (half a round trip), for a decode plan's size and a 64 KiB plan: gloo
-`dist.broadcast` of the bytes as a uint8 tensor vs a ZeroMQ PUB/SUB pair on 127.0.0.1.
-Prints a table; each rank runs one torch thread.
+ranks, one way (half a round trip between ranks 0 and 1), for a decode plan's size and a
+64 KiB plan: `dist.broadcast` of the bytes as a uint8 tensor on the rank's device vs a ZeroMQ
+PUB/SUB pair on 127.0.0.1. Prints a table; each rank runs one torch thread. On GPUs it needs
+--tp GPUs and says so when there are fewer.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def make_model(path: Path, hidden: int, layers: int) -> None:
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
 
 
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def timed_steps(runner, batch: int, steps: int) -> float:
     """Mean seconds per decode step of `batch` requests (after their prefill and 5 warm-up steps)."""
     builder = PlanBuilder(block_size=16, num_blocks=runner.num_kv_blocks, seed=0)
@@ -49,6 +56,7 @@ def timed_steps(runner, batch: int, steps: int) -> float:
         plan = builder.next_plan()
         start = time.perf_counter()
         result = runner.execute(plan)
+        _sync(runner.device)
         if n >= 6:
             times.append(time.perf_counter() - start)
         builder.update(plan, result)
@@ -64,9 +72,12 @@ def _rank(rank: int, model_dir: str, port: int, args, out: str) -> None:
     from executor_svc.parallel.runner import FollowerRunner, LeaderRunner
 
     torch.set_num_threads(1)
-    group = ProcessGroupTP(Rendezvous(rank, 2, "127.0.0.1", port), torch.device("cpu"))
-    options = dict(device="cpu", block_size=16, num_kv_blocks=512)
-    if rank == 1:
+    device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    group = ProcessGroupTP(Rendezvous(rank, args.tp, "127.0.0.1", port), torch.device(device))
+    options = dict(device=device, block_size=16, num_kv_blocks=512)
+    if rank != 0:
         FollowerRunner(group, model_dir, **options).serve()
     else:
         leader = LeaderRunner(group, model_dir, **options)
@@ -75,10 +86,12 @@ def _rank(rank: int, model_dir: str, port: int, args, out: str) -> None:
             inner = getattr(group, name)
 
             def timed(x, inner=inner):
+                _sync(device)
                 start = time.perf_counter()
                 try:
                     return inner(x)
                 finally:
+                    _sync(device)
                     spent[0] += time.perf_counter() - start
 
             setattr(group, name, timed)
@@ -88,33 +101,38 @@ def _rank(rank: int, model_dir: str, port: int, args, out: str) -> None:
         leader.stop()
         torch.save({"step": step, "share": share}, out)
 
-    # The plan's way to the other ranks: one way = half a ping-pong.
+    # The plan's way to the other ranks: one way = half a ping-pong between ranks 0 and 1
+    # (a broadcast involves every rank; the ZeroMQ pair only ranks 0 and 1).
     ctx = zmq.Context()
     pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
-    pub.bind(f"tcp://127.0.0.1:{port + 1 + rank}")
-    sub.connect(f"tcp://127.0.0.1:{port + 2 - rank}")
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    if rank < 2:
+        pub.bind(f"tcp://127.0.0.1:{port + 1 + rank}")
+        sub.connect(f"tcp://127.0.0.1:{port + 2 - rank}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
     time.sleep(0.5)  # PUB/SUB: subscriptions settle before the first message
     dist.barrier()
     figures = {}
     for size in (args.plan_bytes, 64 * 1024):
         payload = os.urandom(size)
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
         for way in ("broadcast", "zmq"):
             rounds = 200
             start = time.perf_counter()
             for _ in range(rounds):
-                if way == "broadcast":
+                if way == "broadcast":  # as the runner does: host bytes in, host bytes out
                     if rank == 0:
                         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
                     dist.broadcast(buf, src=0)
+                    if rank == 1:
+                        buf.cpu()
                     dist.broadcast(buf, src=1)
-                else:
                     if rank == 0:
-                        pub.send(payload)
-                        sub.recv()
-                    else:
-                        pub.send(sub.recv())
+                        buf.cpu()
+                elif rank == 0:
+                    pub.send(payload)
+                    sub.recv()
+                elif rank == 1:
+                    pub.send(sub.recv())
             figures[(way, size)] = (time.perf_counter() - start) / rounds / 2
             dist.barrier()
     if rank == 0:
@@ -133,7 +151,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--plan-bytes", type=int, default=512, help="a decode plan's size on the wire")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--tp", type=int, default=2, help="ranks of the group")
     args = p.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < args.tp:
+        print(f"bench_tp: TP={args.tp} on GPUs needs {args.tp} GPUs (one per rank, NCCL); "
+              f"this machine has {torch.cuda.device_count()}: no TP figure")
+        return
     from executor_svc.model_runner import ModelRunner
     from tests.service.harness import free_port
 
@@ -142,17 +166,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         make_model(model_dir, args.hidden, args.layers)
-        single = timed_steps(ModelRunner(model_dir, device="cpu", block_size=16, num_kv_blocks=512), args.batch, args.steps)
-        out = str(Path(tmp) / "tp2.pt")
-        mp.spawn(_rank, args=(str(model_dir), free_port(), args, out), nprocs=2, join=True)
+        device = "cuda:0" if args.device == "cuda" else "cpu"
+        single = timed_steps(ModelRunner(model_dir, device=device, block_size=16, num_kv_blocks=512), args.batch, args.steps)
+        out = str(Path(tmp) / "tp.pt")
+        mp.spawn(_rank, args=(str(model_dir), free_port(), args, out), nprocs=args.tp, join=True)
         tp2 = torch.load(out)
     print(f"\nLlama hidden {args.hidden}, {args.layers} layers, vocab 4096; decode batch {args.batch}, {args.steps} steps; "
-          f"{os.cpu_count()} CPUs, 1 torch thread per rank\n")
+          f"{os.cpu_count()} CPUs, 1 torch thread per rank, device {args.device}\n")
     print("| | step (ms) | collectives' share of the step |")
     print("|---|---|---|")
     print(f"| TP=1 | {single * 1e3:.2f} | - |")
-    print(f"| TP=2 (gloo) | {tp2['step'] * 1e3:.2f} ({tp2['step'] / single:.2f}x) | {tp2['share']:.0%} |")
-    print("\n| plan to the other rank, one way | gloo dist.broadcast (us) | ZeroMQ PUB/SUB (us) |")
+    backend = "NCCL" if args.device == "cuda" else "gloo"
+    print(f"| TP={args.tp} ({backend}) | {tp2['step'] * 1e3:.2f} ({tp2['step'] / single:.2f}x) | {tp2['share']:.0%} |")
+    print(f"\n| plan to the other rank, one way | {backend} dist.broadcast (us) | ZeroMQ PUB/SUB (us) |")
     print("|---|---|---|")
     for size in (args.plan_bytes, 64 * 1024):
         ways = tp2["ways"]

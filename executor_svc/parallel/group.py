@@ -54,8 +54,11 @@ def fatal(message: str) -> None:
 class ProcessGroupTP(TensorParallel):
     """A rank of the group: the model's collectives plus the plan broadcast."""
 
-    def __init__(self, rdv: Rendezvous, device: torch.device, listen_fd: int | None = None) -> None:
-        """`listen_fd`: rank 0's listening socket for the store (bound to the master address only)."""
+    def __init__(
+        self, rdv: Rendezvous, device: torch.device, listen_fd: int | None = None, broadcast_bytes: int = BROADCAST_BYTES
+    ) -> None:
+        """`listen_fd`: rank 0's listening socket for the store (bound to the master address only);
+        `broadcast_bytes`: the size of the plan broadcast's buffer (a longer plan takes two)."""
         self.rank = rdv.rank
         self.size = rdv.size
         self.device = device
@@ -74,7 +77,7 @@ class ProcessGroupTP(TensorParallel):
             backend, store=dist.PrefixStore("pg", self.store), rank=rdv.rank, world_size=rdv.size,
             timeout=COLLECTIVE_TIMEOUT,
         )
-        self._buffer = torch.empty(BROADCAST_BYTES, dtype=torch.uint8, device=device)
+        self._buffer = torch.empty(broadcast_bytes, dtype=torch.uint8, device=device)
         self.step_started: float | None = None  # time.monotonic() while a step runs (watchdog)
         log.info("tensor-parallel rank %d of %d (%s) joined", self.rank, self.size, backend)
 
@@ -110,26 +113,27 @@ class ProcessGroupTP(TensorParallel):
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         """Rank 0 sends `payload`, the others receive it: one broadcast when it fits the buffer.
 
-        The first 8 bytes carry the length; a longer payload follows in a second broadcast.
+        The first 8 bytes carry the length; a longer payload's rest follows in a second broadcast.
         """
         buf = self._buffer
+        room = buf.numel() - 8
         try:
             if self.rank == 0:
-                head = struct.pack("<q", len(payload)) + payload[: BROADCAST_BYTES - 8]
+                head = struct.pack("<q", len(payload)) + payload[:room]
                 buf[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
                 dist.broadcast(buf, src=0)
-                if len(head) - 8 < len(payload):
-                    rest = torch.frombuffer(bytearray(payload[BROADCAST_BYTES - 8 :]), dtype=torch.uint8)
+                if len(payload) > room:
+                    rest = torch.frombuffer(bytearray(payload[room:]), dtype=torch.uint8)
                     dist.broadcast(rest.to(self.device), src=0)
                 return payload
             dist.broadcast(buf, src=0)
-            (length,) = struct.unpack("<q", buf[:8].cpu().numpy().tobytes())
-            first = buf[8 : 8 + min(length, BROADCAST_BYTES - 8)].cpu().numpy().tobytes()
-            if length <= BROADCAST_BYTES - 8:
-                return first
-            rest = torch.empty(length - (BROADCAST_BYTES - 8), dtype=torch.uint8, device=self.device)
+            data = buf.cpu().numpy().tobytes()
+            (length,) = struct.unpack_from("<q", data)
+            if length <= room:
+                return data[8 : 8 + length]
+            rest = torch.empty(length - room, dtype=torch.uint8, device=self.device)
             dist.broadcast(rest, src=0)
-            return first + rest.cpu().numpy().tobytes()
+            return data[8:] + rest.cpu().numpy().tobytes()
         except Exception as exc:  # noqa: BLE001
             fatal(f"broadcast: {exc}")
             raise  # unreachable: fatal exits

@@ -59,7 +59,8 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, out_path: str) -
     from executor_svc.parallel.runner import FollowerRunner, LeaderRunner
 
     torch.set_num_threads(1)
-    group = ProcessGroupTP(Rendezvous(rank, size, "127.0.0.1", port), torch.device("cpu"))
+    # A small broadcast buffer: the prefill plans take the two-broadcast path, decode plans one.
+    group = ProcessGroupTP(Rendezvous(rank, size, "127.0.0.1", port), torch.device("cpu"), broadcast_bytes=256)
     if rank == 0:
         leader = LeaderRunner(group, model_dir, **RUNNER_OPTIONS)
         torch.save(scenario(leader), out_path)
@@ -134,3 +135,19 @@ def test_invalid_split_is_refused_with_the_numbers(tiny_model_dirs):
     config = load_config(tiny_model_dirs["llama"])
     with pytest.raises(UnsupportedModelError, match=r"--tensor-parallel-size 3 .*num_attention_heads 4"):
         check_split(config, 3)
+
+
+def test_executor_refuses_an_invalid_split_at_start(tiny_model_dirs):
+    """Before waiting for any scheduler (none listens here) and before starting other ranks."""
+    import subprocess
+    import sys
+
+    from tests.service.harness import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "executor_svc", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu",
+         "--tensor-parallel-size", "3", "--scheduler", f"tcp://127.0.0.1:{free_port()}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--tensor-parallel-size 3 does not divide this model: num_attention_heads 4" in proc.stderr

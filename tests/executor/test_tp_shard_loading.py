@@ -100,4 +100,4 @@ def test_each_rank_peaks_well_under_the_model_size(big_model_dir):
         peak, params = peak_growth(model_dir, rank, 2)
         assert params < 0.55 * model_bytes  # its share (norms are whole on every rank)
         print(f"rank {rank} of 2: peak growth {peak / 2**20:.0f} MiB, whole load {whole_peak / 2**20:.0f} MiB, model {model_bytes / 2**20:.0f} MiB")
-        assert peak < 0.75 * model_bytes, (rank, peak, model_bytes, whole_peak)
+        assert peak < 0.8 * model_bytes, (rank, peak, model_bytes, whole_peak)

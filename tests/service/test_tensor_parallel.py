@@ -86,3 +86,28 @@ def test_tp_group_and_single_executor_serve_and_group_fails_as_a_whole(tiny_llam
         info = info_of(svc, group)
         assert info is None or not info.healthy
         assert "tensor-parallel group broken" in svc.logs(tail=100_000)
+
+
+def test_ranks_started_one_by_one_with_rendezvous_flags(tiny_llama):
+    """The several-hosts way, here on one host: each rank its own process with --tp-rank and the
+    rendezvous address; only rank 0 talks to the scheduler. SIGTERM on rank 0 drains the group:
+    rank 1 leaves cleanly too."""
+    from tests.service.harness import free_port
+
+    model_dir, expected = tiny_llama
+    port = str(free_port())
+    rendezvous = ["--tensor-parallel-size", "2", "--tp-master-addr", "127.0.0.1", "--tp-master-port", port]
+    with Service(model=str(model_dir), executor_args=["--num-threads", "1", "--num-kv-blocks", "64"], num_executors=0) as svc:
+        rank1 = svc.add_executor([*rendezvous, "--tp-rank", "1", "--scheduler", "tcp://127.0.0.1:1"])  # never used
+        rank0 = svc.add_executor([*rendezvous, "--tp-rank", "0"])
+        svc.wait_serving(1)
+        assert len(svc.server_info().executors) == 1
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(
+                lambda p: collect(svc.stub.Generate(greedy_request(prompt_ids=p, max_tokens=SHORT, ignore_eos=True), timeout=300)), PROMPTS
+            ))
+        for i, result in enumerate(results):
+            assert result["outputs"][0]["token_ids"] == expected[i][:SHORT], i
+        rank0.send_signal(signal.SIGTERM)
+        assert rank0.wait(timeout=60) == 0
+        assert rank1.wait(timeout=60) == 0, svc.logs()
