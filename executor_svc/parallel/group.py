@@ -144,7 +144,11 @@ class ProcessGroupTP(TensorParallel):
         self.store.set(key, value)
 
     def wait_for(self, key: str) -> bytes:
-        return self.store.get(key)
+        try:
+            return self.store.get(key)
+        except Exception as exc:  # noqa: BLE001
+            fatal(f"the group's store (rank 0) is unreachable: {exc}")
+            raise  # unreachable: fatal exits
 
     def close(self) -> None:
         if dist.is_initialized():
