@@ -46,7 +46,11 @@ class TensorShards:
         )
 
     def read(self, name: str, tensor_slice) -> torch.Tensor:
-        """The rows / columns of checkpoint tensor `name` this rank holds."""
+        """The rows / columns of checkpoint tensor `name` this rank holds.
+
+        `tensor_slice`: a safetensors slice (only those bytes are read), or a whole tensor
+        (e.g. one dequantized from another format): both are indexed alike.
+        """
         d = self.full.head_dim
         kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         is_bias = name.endswith(".bias")
