@@ -79,6 +79,7 @@ class ProcessGroupTP(TensorParallel):
         )
         self._buffer = torch.empty(broadcast_bytes, dtype=torch.uint8, device=device)
         self.step_started: float | None = None  # time.monotonic() while a step runs (watchdog)
+        self.leaving = False  # the group is stopping on purpose: ranks exiting is no failure
         log.info("tensor-parallel rank %d of %d (%s) joined", self.rank, self.size, backend)
 
     # -- the model's collectives -----------------------------------------------------------

@@ -152,6 +152,7 @@ def run_group(
         if leader:
             leader[0].stop()
         else:
+            group.leaving = True
             group.publish(CONFIG_KEY, b"X")
         return code
     finally:

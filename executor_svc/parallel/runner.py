@@ -90,6 +90,7 @@ class LeaderRunner(ModelRunner):
 
     def stop(self) -> None:
         """Tell the other ranks to leave (the worker is done)."""
+        self.group.leaving = True
         self.group.broadcast_bytes(encode_step(STOP, None, []))
 
 
@@ -107,6 +108,7 @@ class FollowerRunner(ModelRunner):
         while True:
             flags, plan, sampled = decode_step(self.group.broadcast_bytes(None))
             if flags & STOP:
+                self.group.leaving = True
                 log.info("rank %d: rank 0 is done, leaving", self.group.rank)
                 return 0
             for req_id, token_id in sampled:

@@ -8,6 +8,8 @@ Each rank's watchdog thread bumps its counter `hb/<rank>` in the group's store e
 - a rank it launched on this host has exited (seen at once, no timeout);
 - its own step has run for longer than `step_timeout_s` (the group deadlocked).
 
+It stops watching once the group leaves on purpose (rank 0's worker is done).
+
 Rank 0 leaving closes its ZeroMQ link: the scheduler sees one executor gone and moves its
 requests to the survivors. Ranks launched here also die with rank 0 (PR_SET_PDEATHSIG).
 """
@@ -50,7 +52,7 @@ class Watchdog(threading.Thread):
         rank, size = self.group.rank, self.group.size
         others = [r for r in range(size) if r != rank]
         seen = {r: (-1, time.monotonic()) for r in others}
-        while True:
+        while not self.group.leaving:
             now = time.monotonic()
             try:
                 self._store.add(f"hb/{rank}", 1)

@@ -59,3 +59,20 @@ def test_hung_rank_ends_the_group(tiny_model_dirs, tmp_path):
     finally:
         rank0.kill()
         rank0.wait()
+
+
+def test_sigterm_before_any_scheduler_stops_the_group_cleanly(tiny_model_dirs, tmp_path):
+    """Rank 0 gives up its handshake on SIGTERM and tells rank 1 to leave: no rank reports a failure."""
+    log = tmp_path / "group.log"
+    rank0 = start_rank(tiny_model_dirs["llama"], log)
+    try:
+        wait_for_text(log, "waiting for the scheduler")
+        wait_for_text(log, "rank 1 of 2 (gloo) joined")
+        (child,) = [int(p) for p in open(f"/proc/{rank0.pid}/task/{rank0.pid}/children").read().split()]
+        rank0.send_signal(signal.SIGTERM)
+        assert rank0.wait(timeout=60) == 1  # no scheduler answered
+        assert not os.path.exists(f"/proc/{child}") or "zombie" in open(f"/proc/{child}/status").read()
+        assert "group broken" not in log.read_text()
+    finally:
+        rank0.kill()
+        rank0.wait()
