@@ -72,6 +72,8 @@ class LeaderRunner(ModelRunner):
         self._reset = False
 
     def _execute(self, plan: StepPlan, all_logits: bool):
+        if plan.scheduled_spec_decode_tokens:  # the other ranks could not roll back rejected drafts
+            raise ValueError("speculative decoding is not supported with --tensor-parallel-size > 1")
         flags = (RESET if self._reset else 0) | (ALL_LOGITS if all_logits else 0)
         self.group.broadcast_bytes(encode_step(flags, plan, self._sampled))
         self._reset, self._sampled = False, []
@@ -101,8 +103,8 @@ class FollowerRunner(ModelRunner):
         super().__init__(model_dir, tp=group, **options)
         self.group = group
 
-    def sample(self, logits, req_ids) -> list[SampledToken]:
-        return []  # rank 0 samples; its tokens arrive with the next step
+    def sample(self, logits, req_ids):
+        return [], []  # rank 0 samples (tokens, errors); its tokens arrive with the next step
 
     def serve(self) -> int:
         while True:
