@@ -18,6 +18,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
 
 from pagoda import link_security, model_files  # noqa: E402
 from pagoda.cli import StartupError, add_flag, run_main  # noqa: E402
+from executor_svc.parallel import is_group  # noqa: E402
 from executor_svc.worker import Worker, WorkerConfig  # noqa: E402
 
 log = logging.getLogger("executor_svc")
@@ -49,7 +50,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the scheduler's cluster secret: authenticates and encrypts the link (CURVE); must match the scheduler's",
     )
     add_flag(p, "--log-level", default="INFO")
+    # Tensor parallelism (executor_svc/parallel): one executor made of N ranks.
+    add_flag(p, "--tensor-parallel-size", type=int, default=1, help="ranks of this executor (torch.distributed: NCCL on CUDA, gloo on the CPU)")
+    add_flag(p, "--tp-rank", type=int, default=None, help="this process's rank, one process per rank on several hosts (default: rank 0 starts the others here)")
+    add_flag(p, "--tp-master-addr", default="127.0.0.1", help="rank 0's address for the group's rendezvous")
+    add_flag(p, "--tp-master-port", type=int, default=None, help="rank 0's rendezvous port (default: a free port, one host only)")
+    add_flag(p, "--tp-watchdog-timeout", type=float, default=30.0, help="seconds a silent rank is given before the group leaves")
     args = p.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        p.error("--tensor-parallel-size must be at least 1")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 2:
         p.error("--num-kv-blocks must be at least 2 (block 0 is the null block)")
     if args.executor_id.endswith("/hb"):
@@ -61,10 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return run_main("executor_svc", lambda: _serve(args))
+    return run_main("executor_svc", lambda: _serve(args, sys.argv[1:] if argv is None else list(argv)))
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     if args.attention_backend == "triton" and not _cuda_available(args.device):
         # Triton kernels on the CPU run in Triton's interpreter, chosen before triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -82,14 +91,8 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise StartupError(f"cannot read the model {args.model or '(default)'}: {exc} (--model)") from None
 
-    def make_runner(config):
-        import torch
-
-        from executor_svc.model_runner import ModelRunner
-
-        device = args.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+    def runner_options(config, device: str) -> dict:
+        """The ModelRunner's keyword arguments (on `device`) once the scheduler's config is known."""
         if device == "cpu":
             from executor_svc.host_malloc import keep_freed_memory
 
@@ -98,8 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_bytes = None
         if args.num_kv_blocks is None and device == "cpu":
             kv_bytes = int(args.kv_cache_memory_gb * 2**30)
-        return ModelRunner(
-            model_dir,
+        return dict(
             device=device,
             dtype=args.dtype,
             block_size=config.block_size,
@@ -112,6 +114,16 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=config.max_num_batched_tokens,
             quantization=args.quantization,
         )
+
+    def make_runner(config):
+        import torch
+
+        from executor_svc.model_runner import ModelRunner
+
+        device = args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return ModelRunner(model_dir, **runner_options(config, device))
 
     def load_or_fail(config):
         try:
@@ -129,8 +141,15 @@ def _serve(args: argparse.Namespace) -> int:
         "CURVE, keys from the cluster secret" if link_keys else "plaintext (no --cluster-secret-file)",
     )
     worker_config = WorkerConfig(scheduler=args.scheduler, executor_id=args.executor_id, link_keys=link_keys)
-    worker = Worker(worker_config, load_or_fail, fingerprint)
-    return worker.run()
+
+    def make_worker(runner_factory) -> Worker:
+        return Worker(worker_config, runner_factory, fingerprint)
+
+    if is_group(args):  # rank 0 alone holds the link (and its keys); see executor_svc/parallel
+        from executor_svc.parallel.launch import run_group
+
+        return run_group(args, model_dir, runner_options, make_worker, argv)
+    return make_worker(load_or_fail).run()
 
 
 def _cuda_available(device: str) -> bool:

@@ -168,12 +168,14 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
+    model_dir: str | Path, device: torch.device, dtype: torch.dtype, quantization: str = "none", tp=None
 ) -> DecoderModel:
     """Build the decoder on `device` in `dtype` (no random init) and fill it from the checkpoint.
 
     `quantization`: "none" (weights in `dtype`), "gguf" (a GGUF file's blocks kept as they are,
     CPU float32 only) or "int8" (every linear layer requantized to int8, CPU only).
+    `tp` (a `TensorParallel` of size > 1): build the rank's shard and read only its slices
+    (safetensors weights, quantization "none").
     """
     from executor_svc.model import DecoderModel
 
@@ -186,16 +188,27 @@ def load_model(
     if quantization != "none" and (device.type != "cpu" or dtype != torch.float32):
         raise UnsupportedModelError(f"quantization {quantization!r} runs on the CPU in float32, not {device} {dtype}")
     config = load_config(model_dir)
+    read = None
+    if tp is not None and tp.size > 1:
+        if gguf_file is not None or quantization != "none":
+            raise UnsupportedModelError(
+                f"tensor parallelism shards safetensors weights only (quantization 'none'), not "
+                f"{'a GGUF model' if gguf_file is not None else 'quantization ' + repr(quantization)}"
+            )
+        from executor_svc.parallel.sharding import TensorShards
+
+        shards = TensorShards(config, tp.rank, tp.size)  # refuses a model that does not split
+        config, read = shards.local_config, shards.read
     if gguf_file is not None:
         from executor_svc.quant.gguf_loader import load_gguf_model
 
         model = load_gguf_model(gguf_file, config, device, dtype, keep_blocks=quantization == "gguf")
     else:
         with torch.device("meta"):
-            model = DecoderModel(config, dtype=dtype)
+            model = DecoderModel(config, dtype=dtype, tp=tp)
         model = model.to_empty(device=device)
         model.init_buffers()
-        load_weights(model, model_dir)
+        load_weights(model, model_dir, read)
     if quantization == "int8":
         from executor_svc.quant.gguf_kernel import get_kernel
         from executor_svc.quant.int8_linear import quantize_linears
@@ -207,14 +220,22 @@ def load_model(
     return model.eval()
 
 
-def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
-    """Copy every safetensors tensor of the checkpoint into `model` (see `fill_parameters`)."""
+def load_weights(model: torch.nn.Module, model_dir: str | Path, read=None) -> None:
+    """Copy every safetensors tensor of the checkpoint into `model` (see `fill_parameters`).
+
+    `read(name, slice)`, when given, returns the part of a tensor this model holds from a
+    safetensors slice (`safe_open(...).get_slice(name)`), so a tensor-parallel rank never
+    reads the whole tensor.
+    """
+
+    def load(f, name: str) -> torch.Tensor:
+        return f.get_tensor(name) if read is None else read(name, f.get_slice(name))
 
     def tensors():
         for path in weight_files(model_dir):
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    yield f"{path.name}: {name}", name, lambda f=f, name=name: f.get_tensor(name)
+                    yield f"{path.name}: {name}", name, lambda f=f, name=name: load(f, name)
 
     fill_parameters(model, tensors(), str(model_dir))
 

@@ -58,6 +58,44 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# ---- tensor-parallel hook (see executor_svc/parallel) -------------------------------------
+class TensorParallel:
+    """A model's place in a tensor-parallel group; this default is a group of one (no-ops).
+
+    With a group of N (`executor_svc.parallel.group.ProcessGroupTP`) the model holds its
+    rank's share: heads, intermediate columns and vocabulary rows split N ways (its
+    `ModelConfig` counts the rank's heads, see `executor_svc.parallel.sharding`).
+    `all_reduce` sums the row-parallel outputs (o_proj, down_proj, the embedding) and
+    `gather_logits` joins the vocabulary shards of the LM head on rank 0.
+    """
+
+    rank = 0
+    size = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def min(self, value: int) -> int:
+        return value
+
+
+def vocab_parallel_embed(embed: nn.Module, input_ids: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Each rank looks up the ids in its vocabulary rows, zeros the others; the sum is the embedding."""
+    if tp.size == 1:
+        return embed(input_ids)
+    rows = embed.num_embeddings
+    local = input_ids - tp.rank * rows
+    outside = (local < 0) | (local >= rows)
+    hidden = embed(local.masked_fill(outside, 0)).masked_fill_(outside.unsqueeze(-1), 0)
+    return tp.all_reduce(hidden)
+
+
+# ---- end of the tensor-parallel hook --------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class ModelOps:
     """The swappable elementwise ops; the defaults are plain torch."""
@@ -97,10 +135,11 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         c = config
         self.config = c
+        self.tp = tp  # row-parallel o_proj and down_proj: one all-reduce each
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias, dtype=dtype)
@@ -133,26 +172,38 @@ class DecoderLayer(nn.Module):
         )
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
         attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        hidden = self.o_proj(attn.reshape(num_tokens, c.q_size))
+        hidden = self.tp.all_reduce(self.o_proj(attn.reshape(num_tokens, c.q_size)))
         hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, c.rms_norm_eps)
-        hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
+        hidden = self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))))
         return hidden, residual
 
 
 class DecoderModel(nn.Module):
-    """Embedding, decoder layers, final norm and LM head (tied to the embedding or not)."""
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding or not).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
+    Under tensor parallelism (`tp`) the embedding and the LM head hold the rank's
+    `vocab_size // tp.size` rows; `config.vocab_size` stays the whole vocabulary.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        ops: ModelOps | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.ops = ops or ModelOps()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.tp = tp or TensorParallel()
+        vocab_rows = config.vocab_size // self.tp.size
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, self.tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            else nn.Linear(config.hidden_size, vocab_rows, bias=False, dtype=dtype)
         )
         self.register_buffer("rotary_cos", torch.empty(0), persistent=False)
         self.register_buffer("rotary_sin", torch.empty(0), persistent=False)
@@ -198,7 +249,7 @@ class DecoderModel(nn.Module):
         attention: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden, residual), both [T, hidden]: their sum is the last layer's output."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = vocab_parallel_embed(self.embed_tokens, input_ids, self.tp)
         residual = None
         cos, sin = self.rotary_cos.index_select(0, positions), self.rotary_sin.index_select(0, positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -213,5 +264,5 @@ class DecoderModel(nn.Module):
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return self.tp.gather_logits(F.linear(hidden, self.embed_tokens.weight).float())
+        return self.tp.gather_logits(self.lm_head(hidden).float())

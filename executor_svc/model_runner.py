@@ -138,7 +138,9 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         pack_weights: bool | None = None,
         quantization: str = "auto",
+        tp=None,
     ) -> None:
+        """`tp`: this runner's rank of a tensor-parallel group (`executor_svc.parallel`), or None."""
         self._device = resolve_device(device)
         if num_threads:  # else torch's default: one thread per physical core
             torch.set_num_threads(num_threads)
@@ -146,7 +148,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self._device)
         self._block_size = block_size
         self.quantization = resolve_quantization(quantization, self.model_dir, self._device, self.dtype)
-        self.model: DecoderModel = load_model(self.model_dir, self._device, self.dtype, self.quantization)
+        self.model: DecoderModel = load_model(self.model_dir, self._device, self.dtype, self.quantization, tp=tp)
         if self.quantization == "gguf" and not any(isinstance(m, GGUFLinear) for m in self.model.modules()):
             self.quantization = "none"  # no kernel here (no compiler, or PAGODA_GGUF_KERNEL=0): dequantized at load
         self.weight_bytes = weight_bytes(self.model)
@@ -174,6 +176,8 @@ class ModelRunner:
                     else DEFAULT_CPU_KV_MEMORY_BYTES
                 )
             num_kv_blocks = kv_memory_bytes // self.kv_block_bytes
+        if tp is not None:  # one block table for the group: the smallest rank decides
+            num_kv_blocks = tp.min(num_kv_blocks)
         if num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks {num_kv_blocks}: need at least 2 (block 0 is the null block)")
         self.kv_caches = self._allocate_kv_caches(num_kv_blocks)

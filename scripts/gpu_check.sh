@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of kernels/: the kernel tests compiled for CUDA (not the interpreter), then bench/bench_kernels.py.
+# GPU check of kernels/: the kernel tests compiled for CUDA (not the interpreter), then bench/bench_kernels.py,
+# then bench/bench_tp.py (TP=1 vs TP=$TP_SIZE decode, needs that many GPUs).
 #
 #   bash scripts/gpu_check.sh                    # or: make gpu-check
 #   PYTHON=.venv/bin/python PEAK_GBS=3350 BENCH_ARGS=--skip-model bash scripts/gpu_check.sh
@@ -36,5 +37,9 @@ echo "== benchmarks"
 "$PY" bench/bench_kernels.py --json "$out/bench.json" --peak-gbs "${PEAK_GBS:-4800}" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.txt"
 bench=${PIPESTATUS[0]}
 
-echo "== tests exit $tests, bench exit $bench; results in $out"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+echo "== tensor parallelism: TP=1 vs TP=${TP_SIZE:-2} decode (NCCL; says so when there are fewer GPUs)"
+"$PY" bench/bench_tp.py --device cuda --tp "${TP_SIZE:-2}" --hidden 4096 --layers 8 --batch 64 --steps 40 2>&1 | tee "$out/bench_tp.txt"
+tp=${PIPESTATUS[0]}
+
+echo "== tests exit $tests, bench exit $bench, tp bench exit $tp; results in $out"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$tp" -eq 0 ]
