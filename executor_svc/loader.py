@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
+from executor_svc.model import ModelConfig
 from pagoda.model_files import gguf_source
 
 if TYPE_CHECKING:
@@ -46,38 +46,6 @@ QUANTIZATIONS = ("none", "gguf", "int8")
 
 class UnsupportedModelError(ValueError):
     """The directory holds a model this loader cannot run faithfully."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shape of a Llama-family decoder, read once from config.json."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    inv_freq: tuple[float, ...]  # RoPE inverse frequencies, head_dim // 2 of them
-    rope_attention_scaling: float  # multiplies cos and sin (yarn); 1.0 otherwise
-    sliding_window: int | None  # ignored: see the module docstring
-    eos_token_ids: tuple[int, ...]
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -20,7 +20,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.attention.base import AttentionBackend, AttentionMetadata
-from executor_svc.loader import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read once from config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    inv_freq: tuple[float, ...]  # RoPE inverse frequencies, head_dim // 2 of them
+    rope_attention_scaling: float  # multiplies cos and sin (yarn); 1.0 otherwise
+    sliding_window: int | None  # ignored: see the module docstring
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -21,7 +21,8 @@ import dataclasses
 
 import torch
 
-from executor_svc.loader import ModelConfig, UnsupportedModelError
+from executor_svc.loader import UnsupportedModelError
+from executor_svc.model import ModelConfig
 
 
 class TensorShards:

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from executor_svc.loader import ModelConfig, UnsupportedModelError, fill_parameters, weight_bytes
+from executor_svc.loader import UnsupportedModelError, fill_parameters, weight_bytes
+from executor_svc.model import ModelConfig
 from executor_svc.model import DecoderModel
 from executor_svc.quant.gguf_kernel import get_kernel
 from executor_svc.quant.gguf_linear import GGUFEmbedding, GGUFLinear, packed_rows
