@@ -171,13 +171,16 @@ def step(scheduler: Scheduler, executor: FakeExecutor) -> list[RequestUpdate]:
 
 
 def assert_views_agree(scheduler: Scheduler, executor: FakeExecutor) -> None:
+    """Both views of every running request agree; with steps in flight (async scheduling) the
+    executor is ahead by exactly their tokens, the scheduler's placeholders."""
     scheduler.check_integrity()
     running = {request.req_id: request for request in scheduler.running}
     assert set(executor.states) == set(running) | set(scheduler.pending_finished_req_ids)
     manager = scheduler.kv_cache_manager
     for req_id, request in running.items():
         state = executor.states[req_id]
-        assert state.token_ids == request.all_token_ids, req_id
+        assert state.token_ids[: request.num_tokens] == request.all_token_ids, req_id
+        assert len(state.token_ids) == request.num_tokens + request.num_output_placeholders, req_id
         assert state.num_computed_tokens == request.num_computed_tokens, req_id
         assert state.block_ids == manager.block_ids(req_id), req_id
 
@@ -244,7 +247,7 @@ class AheadDriver:
         assert len(plan.num_scheduled_tokens) <= self.scheduler.config.max_num_seqs
         self.in_flight.append((plan, self.executor.execute(plan)))
         updates = self.apply_oldest() if len(self.in_flight) > 1 else []
-        assert_views_agree_ahead(self.scheduler, self.executor)
+        assert_views_agree(self.scheduler, self.executor)
         return updates
 
     def apply_oldest(self) -> list[RequestUpdate]:
@@ -259,17 +262,3 @@ class AheadDriver:
                 return
             self.step()
         raise AssertionError(f"not done after {max_steps} steps")
-
-
-def assert_views_agree_ahead(scheduler: Scheduler, executor: FakeExecutor) -> None:
-    """`assert_views_agree` with steps in flight: the executor is ahead by their tokens."""
-    scheduler.check_integrity()
-    running = {request.req_id: request for request in scheduler.running}
-    assert set(executor.states) == set(running) | set(scheduler.pending_finished_req_ids)
-    manager = scheduler.kv_cache_manager
-    for req_id, request in running.items():
-        state = executor.states[req_id]
-        assert state.token_ids[: request.num_tokens] == request.all_token_ids, req_id
-        assert len(state.token_ids) == request.num_tokens + request.num_output_placeholders, req_id
-        assert state.num_computed_tokens == request.num_computed_tokens, req_id
-        assert state.block_ids == manager.block_ids(req_id), req_id

@@ -14,7 +14,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from scheduler_svc.core import FinishReason, Scheduler, SchedulerConfig
 
-from .fake_executor import AheadDriver, FakeExecutor, assert_views_agree_ahead, make_request
+from .fake_executor import AheadDriver, FakeExecutor, assert_views_agree, make_request
 from .test_scheduler_properties import VOCAB_SIZE, SchedulerMachine, check_outputs, configs
 
 
@@ -62,7 +62,7 @@ class AheadSchedulerMachine(SchedulerMachine):
     @invariant()
     def views_agree(self) -> None:
         if hasattr(self, "driver"):
-            assert_views_agree_ahead(self.scheduler, self.executor)
+            assert_views_agree(self.scheduler, self.executor)
             assert self.scheduler.num_steps_in_flight <= 2
 
     def teardown(self) -> None:
