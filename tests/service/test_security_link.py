@@ -56,7 +56,7 @@ def fingerprint() -> str:
 def register_msg(executor_id: str, num_kv_blocks: int = 64) -> dict:
     return dict(register=xpb.Register(
         executor_id=executor_id, model_fingerprint=fingerprint(), block_size=16,
-        num_kv_blocks=num_kv_blocks, device="cpu", max_model_len=8192, vocab_size=49152,
+        num_kv_blocks=num_kv_blocks, device="cpu", vocab_size=49152,
     ))
 
 
