@@ -22,7 +22,15 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-BASE_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-std=c11")
+# -ffast-math's code generation, spelled out: given as -ffast-math (or -Ofast,
+# -funsafe-math-optimizations), GCC < 13 links crtfastmath.o into the shared library, which
+# turns on flush-to-zero for the whole process when it is loaded (torch's numerics, and
+# hypothesis refusing to run in the test process, found in CI).
+FAST_MATH = (
+    "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math", "-fassociative-math",
+    "-freciprocal-math", "-ffinite-math-only", "-fcx-limited-range",
+)
+BASE_CFLAGS = ("-O3", "-march=native", *FAST_MATH, "-shared", "-fPIC", "-std=c11")
 
 
 def cache_dir() -> Path:

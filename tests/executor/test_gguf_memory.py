@@ -94,5 +94,7 @@ def test_7b_shaped_q4_0_model_fits_its_file_size(tmp_path):
     # Resident after the load: about the file's size (float32 would be 7x). Measured: 1.22x, of
     # which 1.0x the blocks and ~70 MiB not accounted for (not malloc's free lists: malloc_trim
     # does not return it); at the peak, at most the mapped file plus the model's copy of it.
-    assert r["after"] - r["before"] < 1.3 * file_bytes, (r, file_bytes)
+    # 1.22x-1.30x measured (allocator and page-cache slack); a float32 copy of one projection
+    # alone would add 0.48x
+    assert r["after"] - r["before"] < 1.45 * file_bytes, (r, file_bytes)
     assert r["peak"] - r["before"] < 2.5 * file_bytes, (r, file_bytes)  # measured 2.2x
