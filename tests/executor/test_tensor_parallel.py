@@ -73,7 +73,12 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, out_path: str) -
 def run_group(model_dir, tmp_path, size: int = 2) -> dict:
     out = tmp_path / "rank0.pt"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_rank_main, args=(size, free_port(), str(model_dir), str(out)), nprocs=size, join=True)
+    try:
+        mp.spawn(_rank_main, args=(size, free_port(), str(model_dir), str(out)), nprocs=size, join=True)
+    except mp.ProcessExitedException:
+        # Seen once in a full CI run (a rank aborted; not reproduced alone): the free port may be
+        # taken before the rendezvous binds it. One more try on a fresh port.
+        mp.spawn(_rank_main, args=(size, free_port(), str(model_dir), str(out)), nprocs=size, join=True)
     return torch.load(out)
 
 
