@@ -9,32 +9,20 @@ import grpc
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from pagoda.client.base import HEALTH_REQUEST, SERVING, ClientBase
-from pagoda.client.resume import StreamAttempts, unary_retry_wait
-from pagoda.client.types import Chunk, Completion, GenerateParams, ModelInfo, Prompt, ServerInfo, Tokens, Usage
+from pagoda.client.resume import StreamAttempts, StreamView, unary_retry_wait
+from pagoda.client.types import Chunk, Completion, GenerateParams, ModelInfo, Prompt, ServerInfo, Tokens
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
 
 
-class AsyncStream:
+class AsyncStream(StreamView):
     """`async for chunk in stream`; `usage` is set once it has ended. Cancelling the consuming
     task, breaking out (then `await stream.aclose()`) or a deadline cancels the request."""
 
     def __init__(self, client: AsyncClient, state: StreamAttempts):
+        super().__init__(state)
         self._client = client
-        self._state = state
         self._iter = self._run()
-
-    @property
-    def request_id(self) -> str:
-        return self._state.request_id
-
-    @property
-    def usage(self) -> Usage | None:
-        return self._state.usage
-
-    @property
-    def num_attempts(self) -> int:
-        return self._state.attempt + 1
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self._iter

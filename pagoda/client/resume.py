@@ -203,3 +203,22 @@ def unary_retry_wait(err: grpc.RpcError, attempt: int, policy: RetryPolicy, num_
     if err.code() not in RETRYABLE or attempt + 1 >= policy.max_attempts:
         raise from_rpc_error(err)
     return policy.backoff(attempt + 1, num_targets)
+
+
+class StreamView:
+    """What a caller reads of a stream, sync or async: its id, usage once ended, and tries."""
+
+    def __init__(self, state: StreamAttempts):
+        self._state = state
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def usage(self):
+        return self._state.usage
+
+    @property
+    def num_attempts(self) -> int:
+        return self._state.attempt + 1
