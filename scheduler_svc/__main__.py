@@ -224,8 +224,8 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    engine.drain()
     log.info("stopping: no new requests; streams in flight get %g s to finish", args.shutdown_grace)
-    engine.on_health_change(False)
     await server.stop(grace=args.shutdown_grace)
     await engine.stop()
 

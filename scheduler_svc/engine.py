@@ -103,10 +103,16 @@ class Engine:
         self.on_health_change: Callable[[bool], None] = lambda serving: None
         self._tasks: list[asyncio.Task] = []
         self._strikes: dict[str, int] = {}  # client request id -> failed executors it was in a step of
+        self.draining = False  # set on SIGTERM: streams in flight finish, new requests are refused
 
     # ---- life cycle -------------------------------------------------------------------
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self.pool.link.serve()), asyncio.create_task(self._monitor())]
+
+    def drain(self) -> None:
+        """Refuse new requests from now on; those in flight run on (the grace period)."""
+        self.draining = True
+        self.on_health_change(False)
 
     async def stop(self) -> None:
         await self.pool.stop()
@@ -120,6 +126,8 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------
     def submit(self, params: GenerateParams) -> ClientStream:
         """Admit a validated request or raise; its stream is `stream.responses()`."""
+        if self.draining:
+            raise Unavailable("the server is shutting down; retry on another replica")
         if params.request_id in self.requests:
             raise AlreadyExists(f"request_id: {params.request_id!r} is already in flight")
         if self.num_waiting() >= self.config.max_waiting_requests:
@@ -246,7 +254,7 @@ class Engine:
         handle.task = asyncio.create_task(self._step_loop(handle))
         handle.task.add_done_callback(lambda task: self._step_loop_ended(handle, task))
         self._dispatch()
-        if not was_serving:
+        if not was_serving and not self.draining:
             self.on_health_change(True)
 
     def _on_lost(self, handle: ExecutorHandle, requests: list[Request]) -> None:
