@@ -188,6 +188,69 @@ class Transformers:
         return Timing(n, time.perf_counter() - t0, times[1] - t0)  # times[0]: the prompt itself
 
 
+class ForwardAlone:
+    """The step's floor: the executor's own ModelRunner (GGUF blocks, same threads) in this process,
+    one request decoded by hand-built plans, no scheduler and no sockets. `one()` reports the time of
+    `model(...) + compute_logits` alone per token; `execute_s` keeps each whole `execute` beside it."""
+
+    def __init__(self, threads: int) -> None:
+        from executor_svc.model_runner import ModelRunner
+
+        self.runner = ModelRunner(model_files.resolve_model(None, weights=False), device="cpu", quantization="gguf",
+                                  num_kv_blocks=64, num_threads=threads)
+        self.forward_s: list[float] = []
+        self.execute_s: list[float] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def info(self) -> str:
+        med = lambda xs: 1e3 * sorted(xs)[len(xs) // 2]  # noqa: E731
+        return (f"{self.runner.weight_bytes / 2**20:.0f} MiB weights; median decode step: forward {med(self.forward_s):.2f} ms, "
+                f"whole execute {med(self.execute_s):.2f} ms")
+
+    def one(self, ids: list[int]) -> Timing:
+        from pagoda.step import NewRequestData, SamplingParams, StepPlan
+
+        runner, model = self.runner, self.runner.model
+        forward = []
+        original = model.forward
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            out = original(*a, **k)
+            forward.append(time.perf_counter() - t)
+            return out
+
+        compute_logits = model.compute_logits
+
+        def timed_logits(*a, **k):
+            t = time.perf_counter()
+            out = compute_logits(*a, **k)
+            forward[-1] += time.perf_counter() - t
+            return out
+
+        model.forward, model.compute_logits = timed, timed_logits
+        blocks = list(range(1, -(-(len(ids) + OUTPUT_LEN) // runner.block_size) + 1))
+        new = NewRequestData("fwd", list(ids), len(ids), SamplingParams(), blocks, 0)
+        executes = []
+        try:
+            plan = StepPlan(step_id=0, new_requests=[new], num_scheduled_tokens={"fwd": len(ids)})
+            for step in range(OUTPUT_LEN):
+                t = time.perf_counter()
+                runner.execute(plan)
+                executes.append(time.perf_counter() - t)
+                plan = StepPlan(step_id=step + 1, num_scheduled_tokens={"fwd": 1})
+            runner.execute(StepPlan(step_id=OUTPUT_LEN + 1, finished_req_ids=["fwd"]))
+        finally:
+            del model.forward, model.compute_logits
+        self.forward_s, self.execute_s = forward[1:], executes[1:]  # decode steps (the first: the prompt)
+        return Timing(OUTPUT_LEN, sum(forward), forward[0])
+
+
 def measure(system, ids: list[int], streams: bool) -> dict:
     system.one(ids[:16])  # warm-up
     t0 = time.perf_counter()
@@ -206,7 +269,7 @@ def main() -> None:
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="path of llama.cpp's llama-server")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--only", default="", help="comma-separated subset of: gguf,fp32,hf,llama.cpp")
+    parser.add_argument("--only", default="", help="comma-separated subset of: gguf,fp32,hf,forward,llama.cpp")
     parser.add_argument("--scheduler-args", default="", help='extra scheduler flags, e.g. "--no-async-scheduling"')
     args = parser.parse_args()
     sched = args.scheduler_args.split()
@@ -215,6 +278,7 @@ def main() -> None:
         "Pagoda (GGUF blocks)": ("gguf", lambda: Pagoda("gguf", args.threads, sched), True),
         "Pagoda (float32)": ("fp32", lambda: Pagoda("none", args.threads, sched), True),
         "transformers batch 1": ("hf", lambda: Transformers(args.threads), False),
+        "forward pass alone (GGUF)": ("forward", lambda: ForwardAlone(args.threads), False),
     }
     if args.llama_server:
         systems["llama.cpp server"] = ("llama.cpp", lambda: LlamaCpp(args.llama_server, args.threads), True)
@@ -249,6 +313,11 @@ def main() -> None:
             f"{one_total / base:.2f}x" if base else "—", r["info"],
         ])
     print(format_table(["system", "1 stream tok/s", "1 stream decode tok/s", f"{STREAMS} streams tok/s", "1 stream vs llama.cpp", "weights"], rows))
+    floor = results.get("forward pass alone (GGUF)", {}).get("one_stream", (None, None))[1]
+    served = results.get("Pagoda (GGUF blocks)", {}).get("one_stream", (None, None))[1]
+    if floor and served:
+        print(f"step overhead, one stream: a served decode step takes {floor / served:.3f}x the forward pass alone "
+              f"({1e3 / served:.2f} vs {1e3 / floor:.2f} ms per token)")
 
 
 if __name__ == "__main__":

@@ -27,10 +27,10 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata, get_backend
+from executor_svc.input_batch import BatchError, InputBatch
 from executor_svc.loader import load_model, weight_bytes
 from executor_svc.model import DecoderModel, can_pack_for_cpu
 from executor_svc.quant.gguf_linear import GGUFLinear
@@ -57,28 +57,38 @@ class PlanError(ValueError):
     """A step plan that contradicts the executor's state (a scheduler bug)."""
 
 
-@dataclass
 class CachedRequestState:
     """What the executor keeps of a request between steps; it appends its own sampled tokens, so a
-    plan never carries decode token ids (and a plan sent ahead of the last result needs none)."""
+    plan never carries decode token ids (and a plan sent ahead of the last result needs none).
 
-    req_id: str
-    token_ids: list[int]  # prompt + generated so far
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
+    Its tokens, blocks and computed count live in its row of the persistent batch
+    (`InputBatch`); `token_ids` is also kept as a list, which the sampler's penalties read."""
 
-    @classmethod
-    def from_new(cls, new: NewRequestData) -> CachedRequestState:
-        return cls(
-            req_id=new.req_id,
-            token_ids=list(new.token_ids),
-            num_prompt_tokens=new.num_prompt_tokens,
-            sampling=new.sampling,
-            block_ids=list(new.block_ids),
-            num_computed_tokens=new.num_computed_tokens,
-        )
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "row", "_batch")
+
+    def __init__(self, new: NewRequestData, batch: InputBatch) -> None:
+        self.req_id = new.req_id
+        self.token_ids = list(new.token_ids)  # prompt + generated so far
+        self.num_prompt_tokens = new.num_prompt_tokens
+        self.sampling: SamplingParams = new.sampling
+        self._batch = batch
+        self.row = batch.add(self.token_ids, new.block_ids, new.num_computed_tokens)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return int(self._batch.num_computed[self.row])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self._batch.num_computed[self.row] = value
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self._batch.block_table[self.row, : self._batch.num_blocks[self.row]].tolist()
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self._batch.append_token(self.row, token_id)
 
 
 @dataclass
@@ -167,6 +177,7 @@ class ModelRunner:
         self._fingerprint = fingerprint(self.model_dir)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.batch = InputBatch(self.max_model_len, block_size, self._device)
         self.failed: dict[str, str] = {}  # req id -> why it failed alone; not computed again (see sample)
         if num_kv_blocks is None:
             if kv_memory_bytes is None:
@@ -234,6 +245,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (the scheduler re-sends them in full); the cache contents are simply stale."""
         self.requests.clear()
+        self.batch.clear()
         self.failed.clear()
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -286,78 +298,59 @@ class ModelRunner:
 
     def update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._drop(req_id)
             self.failed.pop(req_id, None)
-        for new in plan.new_requests:
-            self.requests[new.req_id] = CachedRequestState.from_new(new)
-        for cached in plan.cached_requests:
-            self._state(cached.req_id).block_ids.extend(cached.new_block_ids)
+        try:
+            for new in plan.new_requests:
+                self._drop(new.req_id)  # sent again in full (after a preemption)
+                self.requests[new.req_id] = CachedRequestState(new, self.batch)
+            for cached in plan.cached_requests:
+                self.batch.append_blocks(self._state(cached.req_id).row, cached.new_block_ids)
+        except BatchError as exc:
+            raise PlanError(str(exc)) from None
+
+    def _drop(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.batch.remove(state.row)
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        """Gather the step's flat batch from the persistent batch's rows (`InputBatch.gather`)."""
         # Decodes first: the attention backend batches them apart from longer queries.
         scheduled = sorted(
             ((req_id, n) for req_id, n in plan.num_scheduled_tokens.items() if n > 0), key=lambda item: item[1] != 1
         )
         req_ids = [req_id for req_id, _ in scheduled]
         states = [self._state(req_id) for req_id in req_ids]
-        query_lens_list = [n for _, n in scheduled]
-        context_lens_list = [s.num_computed_tokens for s in states]
-        seq_lens_list = [c + n for c, n in zip(context_lens_list, query_lens_list)]
-        drafts = [plan.scheduled_spec_decode_tokens.get(req_id, ()) for req_id in req_ids]
-        input_ids_list: list[int] = []
-        for state, start, end, draft in zip(states, context_lens_list, seq_lens_list, drafts):
-            num_known = len(state.token_ids)
-            if end > num_known + len(draft) or end > len(state.block_ids) * self._block_size:
-                raise PlanError(
-                    f"request {state.req_id}: {end} tokens scheduled, it has {num_known} tokens, "
-                    f"{len(draft)} drafts and {len(state.block_ids)} blocks"
-                )
-            if draft and end != num_known + len(draft):
-                raise PlanError(f"request {state.req_id}: drafts scheduled before its last token")
-            input_ids_list += state.token_ids[start:end]
-            input_ids_list += draft
-
-        num_seqs = len(states)
-        max_seq_len = max(seq_lens_list)
-        num_cols = -(-max_seq_len // self._block_size)
-        table = np.zeros((num_seqs, num_cols), dtype=np.int32)
-        for i, (state, seq_len) in enumerate(zip(states, seq_lens_list)):
-            n = -(-seq_len // self._block_size)
-            table[i, :n] = state.block_ids[:n]
-        block_table = torch.from_numpy(table)
-
-        query_lens = torch.tensor(query_lens_list, dtype=torch.int64)
-        context_lens = torch.tensor(context_lens_list, dtype=torch.int64)
-        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-        num_tokens = len(input_ids_list)
-        seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens, output_size=num_tokens)
-        positions = torch.arange(num_tokens) + (context_lens - query_start_loc[:-1])[seq_index]
-        slot_mapping = (
-            block_table[seq_index, positions // self._block_size].long() * self._block_size
-            + positions % self._block_size
-        )
-        sampled = [i for i, (s, end, d) in enumerate(zip(states, seq_lens_list, drafts)) if end == len(s.token_ids) + len(d)]
-        ends = query_start_loc[1:].tolist()
-        logits_rows = [row for i in sampled for row in range(ends[i] - len(drafts[i]) - 1, ends[i])]
-        logits_indices = torch.tensor(logits_rows, dtype=torch.int64)
-
-        device = self._device
+        drafts = plan.scheduled_spec_decode_tokens
+        draft_lens = [0] * len(states)
+        if drafts:
+            for i, state in enumerate(states):
+                draft = drafts.get(state.req_id)
+                if draft:
+                    self.batch.write_drafts(state.row, draft)
+                    draft_lens[i] = len(draft)
+        try:
+            g = self.batch.gather([s.row for s in states], [n for _, n in scheduled], draft_lens)
+        except BatchError as exc:
+            raise PlanError(f"{exc} (requests {req_ids})") from None
+        to_device = self.batch.to_device
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            query_start_loc=query_start_loc.to(device, torch.int32),
-            seq_lens=torch.tensor(seq_lens_list, dtype=torch.int32).to(device),
-            block_table=block_table.to(device),
-            max_query_len=max(query_lens_list),
-            max_seq_len=max_seq_len,
+            slot_mapping=to_device(g.slot_mapping),
+            query_start_loc=to_device(g.query_start_loc, torch.int32),
+            seq_lens=to_device(g.seq_lens),
+            block_table=to_device(g.block_table),
+            max_query_len=int(g.query_lens.max()),
+            max_seq_len=int(g.seq_lens.max()),
         )
+        sampled = g.sampled.tolist()
         return StepInputs(
             req_ids=req_ids,
-            input_ids=torch.tensor(input_ids_list, dtype=torch.int64).to(device),
-            positions=positions.to(device),
+            input_ids=to_device(g.input_ids),
+            positions=to_device(g.positions),
             meta=meta,
-            logits_indices=logits_indices.to(device),
-            sampled_req_ids=[req_ids[i] for i in sampled for _ in range(len(drafts[i]) + 1)],
+            logits_indices=to_device(g.logits_indices),
+            sampled_req_ids=[req_ids[i] for i in sampled for _ in range(draft_lens[i] + 1)],
         )
 
     def sample(self, logits: torch.Tensor, req_ids: list[str]) -> tuple[list[SampledToken], list[RequestError]]:
@@ -427,7 +420,7 @@ class ModelRunner:
         for req_id, n in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         for token in sampled:
-            self.requests[token.req_id].token_ids.append(token.token_id)
+            self.requests[token.req_id].append_token(token.token_id)
         if plan.scheduled_spec_decode_tokens:  # roll back the rejected drafts
             num_sampled = Counter(token.req_id for token in sampled)
             for req_id, draft in plan.scheduled_spec_decode_tokens.items():

@@ -116,7 +116,7 @@ class FollowerRunner(ModelRunner):
             for req_id, token_id in sampled:
                 state = self.requests.get(req_id)
                 if state is not None:
-                    state.token_ids.append(token_id)
+                    state.append_token(token_id)
             if flags & RESET:
                 self.reset()
             self.group.step_started = time.monotonic()

@@ -1,0 +1,212 @@
+"""The persistent batch: the executor's requests as rows of preallocated arrays (vLLM's InputBatch).
+
+Each request the executor holds owns one row of `token_ids` (prompt + generated so far),
+`block_table`, and the counters beside them. A step changes those rows in place — a new
+request writes its row once, a cached one appends its new blocks, each sampled token is
+one store — and the step's flat inputs are gathered from them with a few vectorized numpy
+indexing ops, never rebuilt from Python lists:
+
+    input_ids[t]  = token_ids[row[seq(t)], position[t]]
+    slot[t]       = block_table[row[seq(t)], position[t] // B] * B + position[t] % B
+
+The gathered arrays land in staging buffers that are reused step after step; on CUDA those
+are pinned, so the copies to the device are asynchronous (`non_blocking`). Rows are not
+compacted: a step gathers the rows it schedules, in the order it wants (decodes first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class BatchError(ValueError):
+    """A plan that does not fit the rows it names (the model runner turns it into a PlanError)."""
+
+
+@dataclass
+class Gathered:
+    """One step's flat batch, gathered on the host (numpy views of the staging buffers)."""
+
+    rows: np.ndarray  # [S] the scheduled requests' rows, in batch order
+    query_lens: np.ndarray  # [S]
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [S + 1]
+    seq_lens: np.ndarray  # [S]
+    block_table: np.ndarray  # [S, num_cols]
+    sampled: np.ndarray  # [num sampled requests] indices into the batch order
+    logits_indices: np.ndarray  # [num sampled + drafts] rows of the flat batch that get logits
+
+
+class _Staging:
+    """Reusable host buffers (pinned where the device is CUDA), grown by doubling."""
+
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self._buffers: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # the tensor keeps the pinned memory
+
+    def array(self, name: str, numel: int, dtype: torch.dtype) -> np.ndarray:
+        entry = self._buffers.get(name)
+        if entry is None or entry[1].shape[0] < numel:
+            buf = torch.empty(max(64, 1 << max(numel - 1, 1).bit_length()), dtype=dtype, pin_memory=self._pin)
+            entry = self._buffers[name] = (buf, buf.numpy())
+        return entry[1][:numel]
+
+
+class InputBatch:
+    def __init__(self, max_model_len: int, block_size: int, device: torch.device, initial_rows: int = 16) -> None:
+        self.block_size = block_size
+        self.device = device
+        self._pin = device.type == "cuda" and torch.cuda.is_available()
+        self._width = max(int(max_model_len), 1)
+        self._max_blocks = -(-self._width // block_size)
+        self.token_ids = np.zeros((initial_rows, self._width), dtype=np.int64)
+        self.block_table = np.zeros((initial_rows, self._max_blocks), dtype=np.int32)
+        self.num_tokens = np.zeros(initial_rows, dtype=np.int64)
+        self.num_computed = np.zeros(initial_rows, dtype=np.int64)
+        self.num_blocks = np.zeros(initial_rows, dtype=np.int64)
+        self._free = list(range(initial_rows - 1, -1, -1))  # a stack: the lowest row is reused first
+        self._staging = _Staging(self._pin)
+
+    # -- rows ------------------------------------------------------------------------------
+    def add(self, token_ids: list[int], block_ids: list[int], num_computed: int) -> int:
+        if not self._free:
+            self._grow_rows()
+        row = self._free.pop()
+        n = len(token_ids)
+        if n > self._width:
+            self._grow_cols(n)
+        self.token_ids[row, :n] = token_ids
+        self.num_tokens[row] = n
+        self.num_computed[row] = num_computed
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        return row
+
+    def remove(self, row: int) -> None:
+        self.num_tokens[row] = self.num_computed[row] = self.num_blocks[row] = 0
+        self._free.append(row)
+
+    def clear(self) -> None:
+        rows = len(self.num_tokens)
+        self.num_tokens[:] = self.num_computed[:] = self.num_blocks[:] = 0
+        self._free = list(range(rows - 1, -1, -1))
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.block_table.shape[1]:
+            raise BatchError(f"{end} blocks: more than max_model_len {self._width} needs ({self._max_blocks})")
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = int(self.num_tokens[row])
+        if n >= self.token_ids.shape[1]:
+            self._grow_cols(n + 1)
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+
+    def write_drafts(self, row: int, draft: list[int]) -> None:
+        """Draft tokens go after the row's last token; the tokens accepted overwrite them later."""
+        n = int(self.num_tokens[row])
+        if n + len(draft) > self.token_ids.shape[1]:
+            self._grow_cols(n + len(draft))
+        self.token_ids[row, n : n + len(draft)] = draft
+
+    def _grow_rows(self) -> None:
+        old = len(self.num_tokens)
+        new = 2 * old
+        self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        for name in ("num_tokens", "num_computed", "num_blocks"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(old, dtype=np.int64)]))
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
+
+    def _grow_cols(self, width: int) -> None:
+        width = max(width, 2 * self.token_ids.shape[1])
+        self.token_ids = np.pad(self.token_ids, ((0, 0), (0, width - self.token_ids.shape[1])))
+
+    # -- one step --------------------------------------------------------------------------
+    def gather(self, rows_list: list[int], query_lens_list: list[int], draft_lens_list: list[int]) -> Gathered:
+        """The flat batch of the given rows (in that order) and query lengths; raises BatchError
+        where a row lacks the tokens or blocks its query needs."""
+        num_seqs = len(rows_list)
+        stage = self._staging.array
+        rows = np.asarray(rows_list, dtype=np.int64)
+        query_lens = np.asarray(query_lens_list, dtype=np.int64)
+        draft_lens = np.asarray(draft_lens_list, dtype=np.int64)
+        starts = self.num_computed[rows]
+        seq_lens = starts + query_lens
+        known = self.num_tokens[rows] + draft_lens
+        bad = (seq_lens > known) | (seq_lens > self.num_blocks[rows] * self.block_size)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise BatchError(
+                f"row {int(rows[i])}: {int(seq_lens[i])} tokens scheduled, it has {int(self.num_tokens[rows[i]])} tokens, "
+                f"{int(draft_lens[i])} drafts and {int(self.num_blocks[rows[i]])} blocks"
+            )
+        if ((draft_lens > 0) & (seq_lens != known)).any():
+            raise BatchError("drafts scheduled before a request's last token")
+
+        query_start_loc = stage("query_start_loc", num_seqs + 1, torch.int64)
+        if all_decodes := int(query_lens.max()) == 1:  # the common step: one token each
+            query_start_loc[:] = np.arange(num_seqs + 1)
+            num_tokens = num_seqs
+            positions = stage("positions", num_tokens, torch.int64)
+            positions[:] = starts
+            token_rows = rows
+        else:
+            query_start_loc[0] = 0
+            np.cumsum(query_lens, out=query_start_loc[1:])
+            num_tokens = int(query_start_loc[-1])
+            seq_index = np.repeat(np.arange(num_seqs), query_lens)
+            positions = stage("positions", num_tokens, torch.int64)
+            np.subtract(np.arange(num_tokens), query_start_loc[:-1][seq_index], out=positions)
+            positions += starts[seq_index]
+            token_rows = rows[seq_index]
+        input_ids = stage("input_ids", num_tokens, torch.int64)
+        input_ids[:] = self.token_ids[token_rows, positions]
+
+        num_cols = -(-int(seq_lens.max()) // self.block_size)
+        block_table = stage("block_table", num_seqs * num_cols, torch.int32).reshape(num_seqs, num_cols)
+        np.take(self.block_table[:, :num_cols], rows, axis=0, out=block_table)
+        # Past a sequence's last block: the null block (0), as the attention backends expect
+        # (the rows there may hold blocks allocated ahead, or an earlier owner's).
+        block_table[np.arange(num_cols) >= -(-seq_lens // self.block_size)[:, None]] = 0
+        slot_mapping = stage("slot_mapping", num_tokens, torch.int64)
+        slot_mapping[:] = self.block_table[token_rows, positions // self.block_size]
+        slot_mapping *= self.block_size
+        slot_mapping += positions % self.block_size
+
+        seq_lens_out = stage("seq_lens", num_seqs, torch.int32)
+        seq_lens_out[:] = seq_lens
+        sampled = np.flatnonzero(seq_lens == known)
+        if all_decodes:  # (a query of one token has no drafts)
+            logits_indices = sampled
+        else:
+            counts = draft_lens[sampled] + 1
+            ends = query_start_loc[1:][sampled]
+            logits_indices = np.repeat(ends - counts, counts) + (np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
+        return Gathered(
+            rows=rows,
+            query_lens=query_lens,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_out,
+            block_table=block_table,
+            sampled=sampled,
+            logits_indices=logits_indices,
+        )
+
+    def to_device(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor if dtype is None else tensor.to(dtype)
+        return tensor.to(self.device, dtype=dtype, non_blocking=self._pin)
