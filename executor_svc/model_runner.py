@@ -277,8 +277,8 @@ class ModelRunner:
             logits = logits_all[inputs.logits_indices]
         else:
             logits = self.model.compute_logits(hidden, residual, inputs.logits_indices)
-        if plan.scheduled_spec_decode_tokens:  # (no per-request error isolation on this path yet)
-            sampled, errors = self.sample_with_drafts(logits, inputs.sampled_req_ids, plan.scheduled_spec_decode_tokens), []
+        if plan.scheduled_spec_decode_tokens:
+            sampled, errors = self.sample_with_drafts(logits, inputs.sampled_req_ids, plan.scheduled_spec_decode_tokens)
         else:
             sampled, errors = self.sample(logits, inputs.sampled_req_ids)
         self.finish_step(plan, sampled)
@@ -399,9 +399,40 @@ class ModelRunner:
 
     def sample_with_drafts(
         self, logits: torch.Tensor, row_req_ids: list[str], drafts: dict[str, list[int]]
-    ) -> list[SampledToken]:
-        """Verify the drafts of each request (none: k = 0); 1..k+1 tokens per request, in order."""
+    ) -> tuple[list[SampledToken], list[RequestError]]:
+        """Verify the drafts of each request (none: k = 0); 1..k+1 tokens per request, in order.
+
+        One bad request fails alone, as in `sample`: a request with a non-finite row among its
+        k + 1 is not verified, and when verification fails on the batch each request is
+        verified alone. Its rows are contiguous (`row_req_ids` lists each request k + 1 times).
+        """
+        errors: list[RequestError] = []
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        if not all(finite):
+            bad = {r for r, ok in zip(row_req_ids, finite) if not ok}
+            errors += [RequestError(r, "the model produced non-finite logits (NaN or Inf)") for r in dict.fromkeys(row_req_ids) if r in bad]
+            keep = [i for i, r in enumerate(row_req_ids) if r not in bad]
+            logits, row_req_ids = logits[keep], [row_req_ids[i] for i in keep]
+        try:
+            sampled = self._verify(logits, row_req_ids, drafts)
+        except Exception:
+            logger.exception("verifying the drafts of %d rows failed: verifying each request alone", len(row_req_ids))
+            sampled, start = [], 0
+            for req_id in dict.fromkeys(row_req_ids):
+                end = start + len(drafts.get(req_id, ())) + 1
+                try:
+                    sampled += self._verify(logits[start:end], row_req_ids[start:end], drafts)
+                except Exception as exc:
+                    logger.error("verifying request %s failed: %r", req_id, exc)
+                    errors.append(RequestError(req_id, f"sampling failed: {exc!r}"[:500]))
+                start = end
+        self.failed.update((e.req_id, e.message) for e in errors)
+        return sampled, errors
+
+    def _verify(self, logits: torch.Tensor, row_req_ids: list[str], drafts: dict[str, list[int]]) -> list[SampledToken]:
         req_ids = list(dict.fromkeys(row_req_ids))
+        if not req_ids:
+            return []
         rows, request_drafts = [], []
         for req_id in req_ids:
             state, draft = self.requests[req_id], drafts.get(req_id, [])

@@ -122,3 +122,59 @@ def test_a_failed_request_scheduled_again_gets_its_error_again(tiny_model_dirs):
     assert [e.req_id for e in result.errors] == ["bad"] and [t.req_id for t in result.sampled] == ["ok"]
     runner.execute(StepPlan(step_id=plan.step_id + 2, finished_req_ids=["bad", "ok"]))
     assert runner.failed == {} and runner.requests == {}
+
+
+@pytest.mark.parametrize("fault", ["nan", "verify"])
+def test_with_drafts_one_bad_request_fails_alone(tiny_model_dirs, monkeypatch, fault):
+    """Speculative decoding's path (k + 1 rows per request) isolates a bad request as `sample` does."""
+    from executor_svc import model_runner as mr
+    from pagoda.step import CachedRequestData, NewRequestData
+
+    def step(runner: ModelRunner) -> StepResult:
+        prompts = {"a": PROMPTS["a"], "bad": PROMPTS["bad"], "c": PROMPTS["c"]}
+        new = [NewRequestData(r, list(p), len(p), GREEDY, [2 * i + 1, 2 * i + 2, 2 * i + 3], 0) for i, (r, p) in enumerate(prompts.items())]
+        runner.execute(StepPlan(step_id=0, new_requests=new, num_scheduled_tokens={r: len(p) - 1 for r, p in prompts.items()}))
+        drafts = {"a": [5, 6], "bad": [7], "c": [8, 9, 10]}
+        result = runner.execute(StepPlan(
+            step_id=1, cached_requests=[CachedRequestData(r, []) for r in prompts],
+            num_scheduled_tokens={r: 1 + len(drafts[r]) for r in prompts}, scheduled_spec_decode_tokens=drafts,
+        ))
+        runner.execute(StepPlan(step_id=2, finished_req_ids=list(prompts)))
+        return result
+
+    runner = ModelRunner(tiny_model_dirs["llama"], block_size=16, num_kv_blocks=64)
+    clean = step(runner)
+    assert clean.errors == []
+    if fault == "nan":
+        compute_logits = runner.model.compute_logits
+        rows: list[str] = []
+        prepare = runner.prepare_inputs
+
+        def remember(plan):
+            inputs = prepare(plan)
+            rows[:] = inputs.sampled_req_ids
+            return inputs
+
+        def poisoned(hidden, residual, indices=None):
+            logits = compute_logits(hidden, residual, indices)
+            bad = [i for i, r in enumerate(rows) if r == "bad"]
+            if bad:
+                logits[bad[-1]] = float("nan")  # its bonus row only
+            return logits
+
+        monkeypatch.setattr(runner, "prepare_inputs", remember)
+        monkeypatch.setattr(runner.model, "compute_logits", poisoned)
+    else:
+        original = mr.verify
+
+        def fragile(sampler, logits, rows, drafts):
+            if [7] in drafts:
+                raise RuntimeError("verification refused the draft [7]")
+            return original(sampler, logits, rows, drafts)
+
+        monkeypatch.setattr(mr, "verify", fragile)
+    result = step(runner)
+    assert [e.req_id for e in result.errors] == ["bad"]
+    assert ("non-finite" if fault == "nan" else "refused the draft") in result.errors[0].message
+    assert [(t.req_id, t.token_id) for t in result.sampled] == [(t.req_id, t.token_id) for t in clean.sampled if t.req_id != "bad"]
+    assert runner.failed == {} and runner.requests == {}
