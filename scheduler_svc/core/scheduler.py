@@ -376,20 +376,44 @@ class Scheduler:
         """`update_from_output` for a step without drafts: at most one token per request (checked)."""
         sampled = {token.req_id: token for token in result.sampled}
         expects, known = in_flight.expects_token, self._requests
-        cache_full_blocks = self.kv_cache_manager.cache_full_blocks if self.kv_cache_manager.enable_prefix_caching else None
-        append_sampled = self._append_sampled
-        updates = []
+        applied, running = [], []
         for req_id, planned in in_flight.requests.items():
-            request = known.get(req_id)
-            if request is not planned:
+            if known.get(req_id) is not planned:
                 continue
             if req_id in expects:
-                request.num_output_placeholders -= 1
-            if cache_full_blocks is not None and request.status is _RUNNING:
-                cache_full_blocks(request)
+                planned.num_output_placeholders -= 1
+            applied.append(planned)
+            if planned.status is _RUNNING:
+                running.append(planned)
+        # Every block is cached before any token is appended: the same blocks as caching
+        # each request just before its own token (appending to, or finishing, another
+        # request neither evicts a cached block nor changes this request's table).
+        self.kv_cache_manager.cache_full_blocks_of(running)
+        max_seq_len = self._max_seq_len
+        updates = []
+        for request in applied:
+            req_id = request.req_id
             token = sampled.get(req_id)
-            if token is not None:
-                updates.append(append_sampled(request, token))
+            if token is None:
+                continue
+            # _append_sampled, with _stop_reason called only when some stop rule may apply
+            token_id = token.token_id
+            request.append_output_token(token_id)
+            if request.is_beam:
+                self._held.add(req_id)
+                updates.append(RequestUpdate(req_id, token, None))
+                continue
+            num_output_tokens = len(request.output_token_ids)
+            reason = None
+            if (
+                num_output_tokens >= request.max_tokens
+                or len(request._all_token_ids) >= max_seq_len
+                or (token_id in request._stop_token_ids and num_output_tokens >= request.sampling.min_tokens)
+            ):
+                reason = self._stop_reason(request)
+                if reason is not None:
+                    self._finish(request, reason)
+            updates.append(RequestUpdate(req_id, token, reason))
         return updates
 
     def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
@@ -424,6 +448,9 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         # One pass over every running request each step: what does not change within the
         # pass is looked up once, and the sets that are usually empty are not probed.
+        # A request with tokens in flight only awaits a result when it is a beam (it lives
+        # for one token), when its pending tokens reach a length limit (planning on would be
+        # waste), or when it has drafts in flight (its length is not known yet).
         held, unsent, proposer, max_seq_len = self._held, self._unsent, self._proposer, self._max_seq_len
         drafts_in_flight = [f.plan.scheduled_spec_decode_tokens for f in self._in_flight if f.plan.scheduled_spec_decode_tokens]
         allocate_slots = self.kv_cache_manager.allocate_slots
@@ -436,7 +463,12 @@ class Scheduler:
             if request.status is not _RUNNING or (held and req_id in held):  # preempted in this loop, or held
                 continue
             pending = request.num_output_placeholders
-            if pending and self._only_awaits_result(request, pending, drafts_in_flight, max_seq_len):
+            if pending and (  # nothing to plan until a token in flight is back (see below)
+                request.is_beam
+                or len(request.output_token_ids) + pending >= request.max_tokens
+                or len(request._all_token_ids) + pending >= max_seq_len
+                or (drafts_in_flight and any(req_id in drafts for drafts in drafts_in_flight))
+            ):
                 continue
             if proposer is not None:
                 drafts, new_block_ids = self._draft(request, budget)
@@ -485,23 +517,6 @@ class Scheduler:
             return [], None
         new_block_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
         return (drafts, new_block_ids) if new_block_ids is not None else ([], None)
-
-    @staticmethod
-    def _only_awaits_result(
-        request: Request, pending: int, drafts_in_flight: list[dict[str, list[int]]], max_seq_len: int
-    ) -> bool:
-        """Nothing to plan until a token in flight is back: a beam lives for one token, a
-        request with drafts in flight does not know its length yet, and a request whose
-        pending tokens reach a length limit is done (planning on would be waste).
-
-        `pending` is its `num_output_placeholders`; `drafts_in_flight` the non-empty
-        `scheduled_spec_decode_tokens` of the steps in flight."""
-        return (
-            request.is_beam
-            or (bool(drafts_in_flight) and any(request.req_id in drafts for drafts in drafts_in_flight))
-            or len(request.output_token_ids) + pending >= request.max_tokens
-            or len(request._all_token_ids) + pending >= max_seq_len
-        )
 
     def _preempt_for(self, request: Request, num_new: int, plan: StepPlan) -> list[int] | None:
         """Blocks for `num_new` more tokens, which the pool lacks now: preempt from the back
