@@ -202,6 +202,20 @@ class KVCacheManager:
             self.block_pool.cache_full_block(table[index], hashes[index])
         self._num_hashed_blocks[request.req_id] = num_full
 
+    def cache_full_blocks_of(self, requests: Iterable[Request]) -> None:
+        """`cache_full_blocks` for each of `requests` (a step's results), without a call per
+        request when, as in most steps for most requests, no block has filled."""
+        if not self.enable_prefix_caching:
+            return
+        num_hashed, size = self._num_hashed_blocks, self.block_size
+        for request in requests:
+            num_full = request.num_computed_tokens
+            num_tokens = request.num_tokens
+            if num_tokens < num_full:
+                num_full = num_tokens
+            if num_full // size > num_hashed.get(request.req_id, 0):
+                self.cache_full_blocks(request)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (a preempted request keeps its hashes)."""
         table = self._block_tables.pop(request.req_id, None)

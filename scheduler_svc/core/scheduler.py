@@ -73,7 +73,7 @@ class _InFlight:
 
     plan: StepPlan
     requests: dict[str, Request]  # the scheduled requests as they were planned
-    expects_token: frozenset[str]
+    expects_token: set[str]  # never changed once made
 
     def num_placeholders(self, req_id: str) -> int:
         """Tokens the step may sample for `req_id`: 1, or 1 + its drafts."""
@@ -318,22 +318,26 @@ class Scheduler:
             self._schedule_waiting(plan, budget)
         if not plan.num_scheduled_tokens:
             self._release_held(plan)
-        self._send_forked(plan)
+        if self._unsent:
+            self._send_forked(plan)
         if plan.num_scheduled_tokens:
             self._in_flight.append(self._advance(plan))
         return plan
 
     def _advance(self, plan: StepPlan) -> _InFlight:
         """Count the planned tokens as computed; those that reach the end will sample a token."""
-        requests, expects_token = {}, set()
+        requests: dict[str, Request] = {}
+        expects_token: set[str] = set()
+        known, spec = self._requests, plan.scheduled_spec_decode_tokens
         for req_id, num_scheduled in plan.num_scheduled_tokens.items():
-            request = requests[req_id] = self._requests[req_id]
-            num_drafts = len(plan.scheduled_spec_decode_tokens.get(req_id, ()))
-            request.num_computed_tokens += num_scheduled
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders + num_drafts:
+            request = requests[req_id] = known[req_id]
+            num_drafts = len(spec[req_id]) if spec and req_id in spec else 0
+            num_computed = request.num_computed_tokens = request.num_computed_tokens + num_scheduled
+            # (_all_token_ids: Request.num_tokens without the property call, in this hot loop)
+            if num_computed == len(request._all_token_ids) + request.num_output_placeholders + num_drafts:
                 request.num_output_placeholders += 1 + num_drafts
                 expects_token.add(req_id)
-        return _InFlight(plan, requests, frozenset(expects_token))
+        return _InFlight(plan, requests, expects_token)
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Apply the result of the oldest step in flight: append tokens, finish what stops.
@@ -346,6 +350,8 @@ class Scheduler:
         if not plan.num_scheduled_tokens:
             return []
         in_flight = self._in_flight.popleft()
+        if not in_flight.plan.scheduled_spec_decode_tokens:
+            return self._apply_without_drafts(in_flight, result)
         sampled: dict[str, list[SampledToken]] = {}
         for token in result.sampled:
             sampled.setdefault(token.req_id, []).append(token)
@@ -364,6 +370,50 @@ class Scheduler:
                 updates.append(self._append_sampled(request, token))
                 if request.is_finished:
                     break
+        return updates
+
+    def _apply_without_drafts(self, in_flight: _InFlight, result: StepResult) -> list[RequestUpdate]:
+        """`update_from_output` for a step without drafts: at most one token per request (checked)."""
+        sampled = {token.req_id: token for token in result.sampled}
+        expects, known = in_flight.expects_token, self._requests
+        applied, running = [], []
+        for req_id, planned in in_flight.requests.items():
+            if known.get(req_id) is not planned:
+                continue
+            if req_id in expects:
+                planned.num_output_placeholders -= 1
+            applied.append(planned)
+            if planned.status is _RUNNING:
+                running.append(planned)
+        # Every block is cached before any token is appended: the same blocks as caching
+        # each request just before its own token (appending to, or finishing, another
+        # request neither evicts a cached block nor changes this request's table).
+        self.kv_cache_manager.cache_full_blocks_of(running)
+        max_seq_len = self._max_seq_len
+        updates = []
+        for request in applied:
+            req_id = request.req_id
+            token = sampled.get(req_id)
+            if token is None:
+                continue
+            # _append_sampled, with _stop_reason called only when some stop rule may apply
+            token_id = token.token_id
+            request.append_output_token(token_id)
+            if request.is_beam:
+                self._held.add(req_id)
+                updates.append(RequestUpdate(req_id, token, None))
+                continue
+            num_output_tokens = len(request.output_token_ids)
+            reason = None
+            if (
+                num_output_tokens >= request.max_tokens
+                or len(request._all_token_ids) >= max_seq_len
+                or (token_id in request._stop_token_ids and num_output_tokens >= request.sampling.min_tokens)
+            ):
+                reason = self._stop_reason(request)
+                if reason is not None:
+                    self._finish(request, reason)
+            updates.append(RequestUpdate(req_id, token, reason))
         return updates
 
     def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
@@ -396,24 +446,49 @@ class Scheduler:
     # ---- scheduling -----------------------------------------------------------------------
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        # One pass over every running request each step: what does not change within the
+        # pass is looked up once, and the sets that are usually empty are not probed.
+        # A request with tokens in flight only awaits a result when it is a beam (it lives
+        # for one token), when its pending tokens reach a length limit (planning on would be
+        # waste), or when it has drafts in flight (its length is not known yet).
+        held, unsent, proposer, max_seq_len = self._held, self._unsent, self._proposer, self._max_seq_len
+        drafts_in_flight = [f.plan.scheduled_spec_decode_tokens for f in self._in_flight if f.plan.scheduled_spec_decode_tokens]
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        cached_requests, num_scheduled_tokens = plan.cached_requests, plan.num_scheduled_tokens
+        drafts: list[int] = []
         for request in list(self._running):
             if budget == 0:
                 break
-            if request.status is not _RUNNING or request.req_id in self._held:  # preempted in this loop, or held
+            req_id = request.req_id
+            if request.status is not _RUNNING or (held and req_id in held):  # preempted in this loop, or held
                 continue
-            if request.num_output_placeholders and self._only_awaits_result(request):
+            pending = request.num_output_placeholders
+            if pending and (  # nothing to plan until a token in flight is back (see below)
+                request.is_beam
+                or len(request.output_token_ids) + pending >= request.max_tokens
+                or len(request._all_token_ids) + pending >= max_seq_len
+                or (drafts_in_flight and any(req_id in drafts for drafts in drafts_in_flight))
+            ):
                 continue
-            drafts, new_block_ids = self._draft(request, budget)
-            num_new = 1 + len(drafts) if drafts else min(request.num_tokens_to_compute, budget)
-            if not drafts:
-                new_block_ids = self._allocate_or_preempt(request, num_new, plan)
-            if new_block_ids is None:
-                continue
-            if request.req_id not in self._unsent:  # a forked beam is sent in full by _send_forked
-                plan.cached_requests.append(CachedRequestData(request.req_id, new_block_ids))
-            plan.num_scheduled_tokens[request.req_id] = num_new
+            if proposer is not None:
+                drafts, new_block_ids = self._draft(request, budget)
             if drafts:
-                plan.scheduled_spec_decode_tokens[request.req_id] = drafts
+                num_new = 1 + len(drafts)
+            else:
+                # (Request.num_tokens_to_compute, without the property calls)
+                num_new = len(request._all_token_ids) + pending - request.num_computed_tokens
+                if num_new > budget:
+                    num_new = budget
+                new_block_ids = allocate_slots(request, num_new)
+                if new_block_ids is None:
+                    new_block_ids = self._preempt_for(request, num_new, plan)
+                    if new_block_ids is None:
+                        continue
+            if not unsent or req_id not in unsent:  # a forked beam is sent in full by _send_forked
+                cached_requests.append(CachedRequestData(req_id, new_block_ids))
+            num_scheduled_tokens[req_id] = num_new
+            if drafts:
+                plan.scheduled_spec_decode_tokens[req_id] = drafts
             budget -= num_new
         return budget
 
@@ -443,30 +518,21 @@ class Scheduler:
         new_block_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
         return (drafts, new_block_ids) if new_block_ids is not None else ([], None)
 
-    def _only_awaits_result(self, request: Request) -> bool:
-        """Nothing to plan until a token in flight is back: a beam lives for one token, a
-        request with drafts in flight does not know its length yet, and a request whose
-        pending tokens reach a length limit is done (planning on would be waste)."""
-        pending = request.num_output_placeholders
-        return (
-            request.is_beam
-            or any(request.req_id in f.plan.scheduled_spec_decode_tokens for f in self._in_flight)
-            or request.num_output_tokens + pending >= request.max_tokens
-            or request.num_tokens + pending >= self._max_seq_len
-        )
-
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> list[int] | None:
-        """Blocks for `num_new` more tokens, preempting from the back of `running` as needed.
+    def _preempt_for(self, request: Request, num_new: int, plan: StepPlan) -> list[int] | None:
+        """Blocks for `num_new` more tokens, which the pool lacks now: preempt from the back
+        of `running` until they fit.
 
         `running` is visited in key order, so the victim (the largest key) has not been
         scheduled in this step yet, or it is `request` itself (then None).
         """
-        while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+        while True:
             victim = self._running[-1]
             self._preempt(victim, plan)
             if victim is request:
                 return None
-        return new_block_ids
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         for request in list(self._waiting):
@@ -579,10 +645,12 @@ class Scheduler:
 
     def _stop_reason(self, request: Request) -> FinishReason | None:
         """Stop token (once `min_tokens` are out) first, then the length limits."""
-        token_id = request.output_token_ids[-1]
-        if token_id in request.stop_token_ids and request.num_output_tokens >= request.sampling.min_tokens:
+        output_token_ids = request.output_token_ids
+        num_output_tokens = len(output_token_ids)
+        token_id = output_token_ids[-1]
+        if token_id in request._stop_token_ids and num_output_tokens >= request.sampling.min_tokens:
             return FinishReason.EOS if token_id in request.eos_token_ids else FinishReason.STOP_TOKEN
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self._max_seq_len:
+        if num_output_tokens >= request.max_tokens or len(request._all_token_ids) >= self._max_seq_len:
             return FinishReason.LENGTH
         return None
 
@@ -653,6 +721,13 @@ class Scheduler:
             return
         if not self._in_flight or plan is not self._in_flight[0].plan:
             raise ValueError(f"plan {plan.step_id} is not the oldest step in flight")
+        if not plan.scheduled_spec_decode_tokens and not result.errors:
+            # The common case, without building the per-request lists below: exactly one
+            # token for each request that expects one (they are all scheduled) passes every
+            # check; anything else takes the full path, for its error.
+            sampled_ids = {token.req_id for token in result.sampled}
+            if len(sampled_ids) == len(result.sampled) and sampled_ids == self._in_flight[0].expects_token:
+                return
         sampled: dict[str, list[int]] = {}
         for token in result.sampled:
             if token.req_id not in plan.num_scheduled_tokens:
