@@ -154,13 +154,15 @@ def _load_model(model: str | None):
         raise StartupError(f"cannot read the model {model or '(default)'}: {exc} (--model)") from None
 
 
-async def _listen(args: argparse.Namespace, engine: Engine, spec, model_name: str, api_keys, credentials):
+async def _listen(args: argparse.Namespace, engine: Engine, spec, model_name: str, api_keys, credentials, model_dir=None):
     """Bind the gRPC port and the metrics port, or raise StartupError naming the flag."""
     address = f"{args.host}:{args.port}"
     try:
         if args.port:  # ask the OS first: gRPC would also log its own multi-line error
             socket.create_server((args.host, args.port)).close()
-        server, port = await build_server(engine, spec, model_name, address, api_keys, credentials, args.max_request_bytes)
+        server, port = await build_server(
+            engine, spec, model_name, address, api_keys, credentials, args.max_request_bytes, model_dir=model_dir
+        )
     except (OSError, RuntimeError) as exc:
         cause = getattr(exc, "strerror", None) or "the port is in use or the address is not local"
         raise StartupError(f"cannot listen on {address} for gRPC: {cause} (--port, --host)") from None
@@ -205,7 +207,9 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
     except zmq.ZMQError as exc:
         raise StartupError(f"cannot bind {args.executor_bind} for executors: {exc} (--executor-bind)") from None
     try:
-        server, port = await _listen(args, engine, spec, model_files.model_name(args.model), api_keys, credentials)
+        server, port = await _listen(
+            args, engine, spec, model_files.model_name(args.model), api_keys, credentials, model_dir=model_dir
+        )
     except StartupError:
         engine.pool.link.close()
         raise

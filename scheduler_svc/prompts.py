@@ -6,65 +6,206 @@ it encodes, so a small thread pool (`PromptWorker`) runs it beside the loop. Bef
 that, the cheap checks run on the loop (`validation.check_fields`): they refuse a text too long
 to fit max_model_len before it is tokenized.
 
+Releasing the GIL in Rust is not enough for a huge text: what comes after it is Python work
+that holds the GIL, and while one thread holds it the loop does not run. For a 4 MB Tokenize
+(680 000 tokens), measured on the 2-core test machine: the ids as a Python list 25-35 ms in
+one C call, the tokens' strings 150-250 ms, building the reply message 30-130 ms in one C
+call, its ByteSize 13 ms (on the loop). Beside a stream whose tokens come every 8 ms, any of
+those is a gap several times the usual one. So a text (or chat) over `OFFLOAD_CHARS`
+characters is tokenized in a child process (`TokenizeProcess`, started on first use, at a
+lower CPU priority): it returns the ids packed as bytes, or for Tokenize the serialized reply
+or only its size, so that the scheduler's process converts nothing it does not keep.
+
 A reply larger than a default gRPC client receives (4 MiB) is refused with
 RESOURCE_EXHAUSTED, naming the size, instead of failing on the client's side.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import logging
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
+import grpc
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.v1 import generation_pb2 as pb
-from scheduler_svc.errors import InvalidArgument, ResourceExhausted
-from scheduler_svc.tokenizer import ModelSpec, encode_text
+from scheduler_svc.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from scheduler_svc.tokenizer import ModelSpec, encode_text, load_tokenizer
 from scheduler_svc.validation import GenerateParams, build_params, chat_token_ids, check_fields, prompt_token_ids
+
+log = logging.getLogger(__name__)
 
 # What a gRPC client receives by default (grpc.max_receive_message_length): the server sends no more.
 MAX_REPLY_BYTES = 4 * 1024 * 1024
 # Threads for tokenization: more would only queue on the same cores, and leave the loop less CPU.
 PROMPT_THREADS = 2
+# Texts (a chat: its contents) longer than this go to the child process. At this size the
+# Python work after the Rust encode is ~17 000 tokens, 1-2 ms of GIL: threads are fine below.
+OFFLOAD_CHARS = 100_000
+# The child's nice(2) increment: a huge request waits for CPU rather than running streams.
+CHILD_NICENESS = 10
 
 
 class PromptWorker:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, max_model_len: int, threads: int = PROMPT_THREADS):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        spec: ModelSpec,
+        max_model_len: int,
+        threads: int = PROMPT_THREADS,
+        model_dir: Path | str | None = None,
+        offload_chars: int = OFFLOAD_CHARS,
+    ):
+        """`model_dir`: where the child process loads the same tokenizer; None: no child, threads only."""
         self.tokenizer = tokenizer
         self.spec = spec
         self.max_model_len = max_model_len
+        self.offload_chars = offload_chars
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        self._child = TokenizeProcess(model_dir, self._pool) if model_dir is not None else None
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def _offload(self, req: pb.GenerateRequest | pb.TokenizeRequest) -> bool:
+        return self._child is not None and self._long(req)
+
+    def _long(self, req: pb.GenerateRequest | pb.TokenizeRequest) -> bool:
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            return len(req.text) > self.offload_chars
+        if kind == "chat":
+            return sum(len(m.content) for m in req.chat.messages) > self.offload_chars
+        return False
+
     async def generate_params(self, req: pb.GenerateRequest) -> GenerateParams:
         """validate_generate, with the prompt tokenized off the loop once the cheap checks pass."""
-        sampling = check_fields(req, self.spec, self.max_model_len)
-        ids = await self._run(prompt_token_ids, req, self.tokenizer, self.spec.vocab_size)
+        if self._long(req):  # its 4 MB text alone: check_fields counts ignored characters in 6-7 ms
+            sampling = await self._run(check_fields, req, self.spec, self.max_model_len)
+        else:
+            sampling = check_fields(req, self.spec, self.max_model_len)
+        if self._offload(req):
+            packed = await self._child.run(_child_prompt_ids, req.SerializeToString())
+            ids = array.array("I", packed)  # a count is all build_params needs to refuse a long one
+            ids = ids.tolist() if len(ids) <= self.max_model_len else ids
+        else:
+            ids = await self._run(prompt_token_ids, req, self.tokenizer, self.spec.vocab_size)
         return build_params(req, sampling, ids, self.spec, self.max_model_len)
 
     async def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        reply = await self._run(self._tokenize, req)
-        size = reply.ByteSize()
+        if self._offload(req):
+            size, count, data = await self._child.run(_child_tokenize, req.SerializeToString())
+            reply = None if size > MAX_REPLY_BYTES else await self._run(pb.TokenizeResponse.FromString, data)
+        else:
+            reply = await self._run(_tokenize, self.tokenizer, req)
+            size, count = reply.ByteSize(), len(reply.token_ids)
         if size > MAX_REPLY_BYTES:
             raise ResourceExhausted(
                 f"the reply would be {size} bytes, more than the {MAX_REPLY_BYTES} a gRPC client receives "
-                f"by default ({len(reply.token_ids)} tokens): send shorter text"
+                f"by default ({count} tokens): send shorter text"
             )
         return reply
 
-    def _tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        tokenizer = self.tokenizer
-        kind = req.WhichOneof("prompt")
-        if kind == "text":
-            ids = encode_text(tokenizer, req.text)
-        elif kind == "chat":
-            add = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
-            ids = chat_token_ids(req.chat, tokenizer, "chat", add)
-        else:
-            raise InvalidArgument("prompt", "one of text or chat is required")
-        return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._child is not None:
+            self._child.close()
+
+
+def _tokenize(tokenizer: PreTrainedTokenizerBase, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        ids = encode_text(tokenizer, req.text)
+    elif kind == "chat":
+        add = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
+        ids = chat_token_ids(req.chat, tokenizer, "chat", add)
+    else:
+        raise InvalidArgument("prompt", "one of text or chat is required")
+    return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
+
+
+class TokenizeProcess:
+    """One child process with its own copy of the tokenizer, for texts too long for a thread.
+
+    Started on first use (importing transformers and loading the tokenizer takes it a few
+    seconds, once); if it dies (killed for memory, say) the request gets UNAVAILABLE and the
+    next one starts a new child. The child's errors come back as (code, message), since a
+    ServiceError's fields do not survive pickling.
+    """
+
+    def __init__(self, model_dir: Path | str, threads: ThreadPoolExecutor):
+        self.model_dir = str(model_dir)
+        self._threads = threads
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def run(self, fn, *args):
+        if self._pool is None:
+            # spawn: a fork would copy gRPC's and ZeroMQ's threads' state mid-flight
+            self._pool = ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init, initargs=(self.model_dir,)
+            )
+        pool = self._pool
+        try:
+            # submit in a thread: the first one starts the child (4-15 ms of fork and exec, measured)
+            submitted = await asyncio.get_running_loop().run_in_executor(self._threads, pool.submit, fn, *args)
+            result = await asyncio.wrap_future(submitted)
+        except BrokenProcessPool:
+            if self._pool is pool:
+                self._pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
+            log.warning("the tokenizer process died; the next long prompt starts a new one")
+            raise Unavailable("the tokenizer process for long prompts died; retry, or send shorter text") from None
+        if isinstance(result, _ChildError):
+            error = ServiceError(result.message)
+            error.code = result.code
+            raise error
+        return result
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+class _ChildError:
+    def __init__(self, exc: ServiceError):
+        self.code: grpc.StatusCode = exc.code
+        self.message = exc.message
+
+
+_child_tokenizer: PreTrainedTokenizerBase | None = None
+
+
+def _child_init(model_dir: str) -> None:
+    global _child_tokenizer
+    try:
+        os.nice(CHILD_NICENESS)
+    except OSError:
+        pass
+    _child_tokenizer = load_tokenizer(Path(model_dir))
+
+
+def _child_prompt_ids(data: bytes) -> bytes | _ChildError:
+    """In the child: the GenerateRequest's prompt ids, packed as uint32."""
+    req = pb.GenerateRequest.FromString(data)
+    try:
+        ids = prompt_token_ids(req, _child_tokenizer, 2**32)  # vocab: only the token_ids prompt checks it
+    except ServiceError as exc:
+        return _ChildError(exc)
+    return array.array("I", ids).tobytes()
+
+
+def _child_tokenize(data: bytes) -> tuple[int, int, bytes] | _ChildError:
+    """In the child: (the reply's size, its token count, the serialized reply or b"" when too large)."""
+    try:
+        reply = _tokenize(_child_tokenizer, pb.TokenizeRequest.FromString(data))
+    except ServiceError as exc:
+        return _ChildError(exc)
+    size = reply.ByteSize()
+    return size, len(reply.token_ids), reply.SerializeToString() if size <= MAX_REPLY_BYTES else b""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,11 +28,12 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, spec: ModelSpec, model_name: str):
+    def __init__(self, engine: Engine, spec: ModelSpec, model_name: str, model_dir: Path | str | None = None):
+        """`model_dir`: the tokenizer's directory, for the child process that tokenizes huge texts (prompts.py)."""
         self.engine = engine
         self.spec = spec
         self.model_name = model_name
-        self.prompts = PromptWorker(engine.tokenizer, spec, engine.config.max_model_len)
+        self.prompts = PromptWorker(engine.tokenizer, spec, engine.config.max_model_len, model_dir=model_dir)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -101,12 +103,13 @@ async def build_server(
     api_keys: list[ApiKey] = (),
     credentials: grpc.ServerCredentials | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    model_dir: Path | str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """The server on `address`: API keys required when `api_keys`, TLS when `credentials`."""
     server = grpc.aio.server(
         interceptors=[ApiKeyInterceptor(list(api_keys))] if api_keys else None, options=grpc_options(max_request_bytes)
     )
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, spec, model_name), server)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, spec, model_name, model_dir), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

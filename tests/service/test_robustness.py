@@ -117,28 +117,59 @@ def test_beam_search_with_many_stop_tokens_never_restarts_an_executor(svc):
     assert (svc.logdir / "executor0.log").read_text().count("registered ") == 1
 
 
+def _token_gaps(svc, num_gaps: int = 0, beside: threading.Thread | None = None) -> list[float]:
+    """Inter-token gaps of one long stream: `num_gaps` of them, or as many as it takes `beside` to finish."""
+    req = greedy_request(prompt_ids=[1, 42, 43], max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True)
+    gaps: list[float] = []
+    while True:  # a new stream when one ends first: the gap between two is not counted
+        call, last = svc.stub.Generate(req, timeout=120), None
+        for _ in call:
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            if (beside is not None and not beside.is_alive()) or (beside is None and len(gaps) >= num_gaps):
+                call.cancel()
+                return gaps
+
+
 def test_a_huge_prompt_and_tokenize_do_not_freeze_running_streams(svc):
-    def gaps() -> list[float]:
-        req = greedy_request(prompt_ids=[1, 42, 43], max_tokens=150, ignore_eos=True)
-        times = [time.monotonic() for _ in svc.stub.Generate(req, timeout=120)]
-        return [b - a for a, b in zip(times, times[1:])]
+    """Beside a 4 MB prompt and a 4 MB Tokenize, a running stream's largest gap stays within 2x its quiet one.
 
-    baseline = max(gaps())
-    statuses: dict[str, grpc.StatusCode] = {}
+    A stream runs through the whole of both requests (a Tokenize of 4 MB takes the tokenizer
+    3-10 s here), then twice as many gaps are measured quiet, in two windows as long as the
+    loaded one (the largest of n gaps grows with n); the quiet gap is the smaller of the two
+    windows' largest, so that one stall of a shared machine does not widen the bound. The bound
+    is 2x that, but not under 50 ms: on the 2-core test machine the quiet largest gap of 150
+    tokens measured 6-14 ms (median gap 3 ms) when calm, and 50-500 ms while other tests ran
+    beside it: CPU it did not get, which no change here can give back (those stalls hit quiet
+    and loaded windows alike). Three tries, the first in bound passes: a loop frozen 0.1 s fails
+    every try whose quiet gap is under 50 ms, i.e. unless the machine stalls all three quiet
+    windows too. Before prompts.py sent huge texts to a child process, building the Tokenize
+    reply held the GIL 30-130 ms (measured), and this test saw 0.545 s beside a quiet 0.106 s.
+    """
     text = "hello world " * 340_000  # 4.08 MB: just under gRPC's 4 MiB
+    svc.stub.Tokenize(pb.TokenizeRequest(text=text[:400_000]), timeout=120)  # starts the child process, once
+    tries = []
+    for _ in range(3):
+        statuses: dict[str, grpc.StatusCode] = {}
 
-    def hostile():
-        statuses["generate"] = _code(lambda: list(svc.stub.Generate(pb.GenerateRequest(text=text), timeout=120)))[0]
-        statuses["tokenize"] = _code(lambda: svc.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=120))[0]
+        def hostile():
+            statuses["generate"] = _code(lambda: list(svc.stub.Generate(pb.GenerateRequest(text=text), timeout=120)))[0]
+            statuses["tokenize"] = _code(lambda: svc.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=120))[0]
 
-    thread = threading.Thread(target=hostile)
-    thread.start()
-    loaded = max(gaps())
-    thread.join()
-    print(f"largest inter-token gap: quiet {baseline:.3f} s, beside a 4 MB prompt and a 4 MB Tokenize {loaded:.3f} s")
-    assert statuses == {"generate": grpc.StatusCode.INVALID_ARGUMENT, "tokenize": grpc.StatusCode.RESOURCE_EXHAUSTED}
-    # 2x the quiet gap; the floor absorbs the noise of a shared 2-core machine (the bug froze the loop 6-9 s)
-    assert loaded <= max(2 * baseline, 0.25), (loaded, baseline)
+        thread = threading.Thread(target=hostile)
+        thread.start()
+        loaded = _token_gaps(svc, beside=thread)
+        thread.join()
+        quiet = min(max(_token_gaps(svc, num_gaps=len(loaded))) for _ in range(2))
+        tries.append((round(quiet, 3), round(max(loaded), 3), len(loaded)))
+        print(f"largest inter-token gap of {len(loaded)}: quiet {quiet:.3f} s, "
+              f"beside a 4 MB prompt and a 4 MB Tokenize {max(loaded):.3f} s")
+        assert statuses == {"generate": grpc.StatusCode.INVALID_ARGUMENT, "tokenize": grpc.StatusCode.RESOURCE_EXHAUSTED}
+        if max(loaded) <= max(2 * quiet, 0.05):
+            return
+    pytest.fail(f"(quiet, loaded, gaps) in each try: {tries}")
 
 
 def test_tokenize_still_answers_a_long_text(svc):
