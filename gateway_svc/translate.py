@@ -1,8 +1,9 @@
 """OpenAI requests to `GenerateParams`, and Pagoda chunks to OpenAI's response objects.
 
 Token strings in logprobs: the gRPC API returns token ids with each text delta, not the
-tokens' own strings. A chunk of one token gives that token's text; otherwise, and for the
-top alternatives, a token is written as `token_id:<id>` (vLLM's `return_tokens_as_token_ids`
+tokens' own strings; with logprobs on, each response holds one token per sequence, so the
+chunk's text is that token's. A token without text of its own (a partial UTF-8 character)
+and the top alternatives are written as `token_id:<id>` (vLLM's `return_tokens_as_token_ids`
 form), which a client can map back to its tokenizer.
 """
 

@@ -139,10 +139,16 @@ class ClientStream:
         self.queue.put_nowait(error)
 
     async def responses(self):
-        """Yield merged GenerateResponses until the request ends; raise its ServiceError if it fails."""
+        """Yield merged GenerateResponses until the request ends; raise its ServiceError if it fails.
+
+        Tokens that queued up while the client read are merged into one response, except for a
+        request that asked for logprobs: each of its responses holds one token per sequence, so
+        that a token's text delta is its own (the OpenAI gateway names logprob tokens by it).
+        """
+        one_token = self.params.sampling.logprobs
         while True:
             items = [await self.queue.get()]
-            while not self.queue.empty():
+            while not self.queue.empty() and not one_token:
                 items.append(self.queue.get_nowait())
             response = pb.GenerateResponse(request_id=self.request_id)
             if not self.prompt_info_sent:
