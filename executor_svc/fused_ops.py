@@ -1,9 +1,13 @@
-"""The model's elementwise ops as Triton kernels (kernels/), used with the triton backend."""
+"""The model's elementwise ops as fused kernels: Triton (kernels/) for the triton backend, C for the CPU."""
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import torch
 
+from executor_svc import cbuild, model
 from executor_svc.model import ModelOps
 
 
@@ -27,3 +31,78 @@ def triton_model_ops() -> ModelOps:
         apply_rotary=apply_rotary,
         silu_and_mul=silu_and_mul,
     )
+
+
+# ---- CPU: the same ops as one C call each (csrc/cpu_ops.c) -----------------------------------
+CPU_OPS_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
+CPU_OPS_ENV_SWITCH = "PAGODA_CPU_OPS"
+# Up to this many rows the C loops run; above it, torch's ops (multi-threaded, vectorised), whose
+# dispatch cost no longer matters next to the arithmetic.
+CPU_OPS_MAX_ROWS = 64
+
+
+def cpu_model_ops() -> ModelOps | None:
+    """RMSNorm (+ residual add), rotary and SiLU-and-mul for float32 CPU models, or None (no compiler, off).
+
+    At a few tokens a step each torch version is several dispatched ops of about a microsecond
+    of arithmetic each; over 30 layers those dispatches were a third of a one-token step on
+    the default model (`bench/bench_one_stream.py --only forward`).
+    """
+    library = cbuild.load(CPU_OPS_SOURCE, cbuild.BASE_CFLAGS, CPU_OPS_ENV_SWITCH, "CPU elementwise ops (torch ops instead)")
+    if library is None:
+        return None
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    c_rms_norm = library.pagoda_rms_norm
+    c_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32]
+    c_add_rms_norm = library.pagoda_add_rms_norm
+    c_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]
+    c_rotary = library.pagoda_rotary_neox
+    c_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
+    c_silu_and_mul = library.pagoda_silu_and_mul
+    c_silu_and_mul.argtypes = [ptr, i64, i64, ptr]
+    for fn in (c_rms_norm, c_add_rms_norm, c_rotary, c_silu_and_mul):
+        fn.restype = None
+
+    def rows_ok(x: torch.Tensor) -> bool:  # a [T, n] float32 CPU tensor whose rows are contiguous
+        return x.dim() == 2 and x.shape[0] <= CPU_OPS_MAX_ROWS and x.dtype == torch.float32 and x.stride(1) == 1
+
+    def rms_norm(x, weight, eps):
+        if not (rows_ok(x) and weight.dtype == torch.float32):
+            return model.rms_norm(x, weight, eps)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        c_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def add_rms_norm(x, residual, weight, eps):
+        if not (rows_ok(x) and rows_ok(residual) and weight.dtype == torch.float32):
+            return model.add_rms_norm(x, residual, weight, eps)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        total = torch.empty(x.shape, dtype=torch.float32)
+        c_add_rms_norm(
+            x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+            out.data_ptr(), total.data_ptr(), x.shape[0], x.shape[1], eps,
+        )
+        return out, total
+
+    def apply_rotary(q, k, cos, sin):
+        # in place on q and k (views of the step's fresh q/k/v projection): heads contiguous in each row
+        t, heads, head_dim = q.shape
+        if not (
+            t <= CPU_OPS_MAX_ROWS and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32
+            and q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == head_dim
+            and cos.is_contiguous() and sin.is_contiguous()
+        ):
+            return model.apply_rotary(q, k, cos, sin)
+        c_rotary(q.data_ptr(), q.stride(0), t, heads, head_dim, cos.data_ptr(), sin.data_ptr())
+        c_rotary(k.data_ptr(), k.stride(0), t, k.shape[1], head_dim, cos.data_ptr(), sin.data_ptr())
+        return q, k
+
+    def silu_and_mul(x):
+        if not (rows_ok(x) and x.is_contiguous()):
+            return model.silu_and_mul(x)
+        n = x.shape[1] // 2
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        c_silu_and_mul(x.data_ptr(), x.shape[0], n, out.data_ptr())
+        return out
+
+    return ModelOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, apply_rotary=apply_rotary, silu_and_mul=silu_and_mul)

@@ -172,6 +172,10 @@ class ModelRunner:
             from executor_svc.fused_ops import triton_model_ops
 
             self.model.ops = triton_model_ops()
+        elif self._device.type == "cpu" and self.dtype == torch.float32:
+            from executor_svc.fused_ops import cpu_model_ops
+
+            self.model.ops = cpu_model_ops() or self.model.ops
         cache_dtype = getattr(self.attention, "cache_dtype", None)
         self.kv_cache_dtype = cache_dtype(self.dtype) if cache_dtype else self.dtype
         self._fingerprint = fingerprint(self.model_dir)

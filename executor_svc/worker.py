@@ -231,7 +231,10 @@ class Worker:
             try:
                 msg = self._recv(0.2)
             except SchedulerLost as exc:
-                log.warning("%s: dropping all requests, waiting for a scheduler (weights and cache kept)", exc)
+                # A scheduler that stops sends SchedulerStopping and then closes; ZMQ_IMMEDIATE drops
+                # what was not read yet when the connection goes, so the notice can be lost to the
+                # drop. Either way the same follows.
+                log.warning("%s: dropping all requests, waiting for the next one (weights and cache kept)", exc)
                 return None
             if msg is None:
                 continue
@@ -242,7 +245,10 @@ class Worker:
                 log.warning("the scheduler no longer knows us: dropping all requests, registering again")
                 return msg.config
             elif kind == "stopping":
-                log.info("the scheduler is stopping (%s): dropping all requests, waiting for the next one", msg.stopping.reason)
+                log.info(
+                    "the scheduler is stopping (%s): dropping all requests, waiting for the next one (weights and cache kept)",
+                    msg.stopping.reason,
+                )
                 return None
             elif kind == "shutdown":
                 log.info("scheduler asked us to stop: %s", msg.shutdown.reason)

@@ -201,7 +201,9 @@ class ExecutorPool:
         for handle in list(self.executors.values()):
             await self.link.send(handle.executor_id, notice)
             self._retire(handle)
-        self.link.close()
+        # linger: a socket closed at once drops the notices still queued, and an executor
+        # would only see the connection drop
+        self.link.close(linger_s=1.0)
 
     def judge_hung(self, handle: ExecutorHandle, step_id: int) -> None:
         """No result for `step_id` within the step timeout: tell the executor to shut down, move its requests."""

@@ -185,10 +185,11 @@ class ExecutorLink:
             log.warning("cannot reach executor %s: %s", executor_id, exc)
             return False
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """`linger_s`: how long queued messages (a last notice to every executor) may take to leave."""
         self._sock.disable_monitor()
         self._monitor.close(0)
-        self._sock.close(0)
+        self._sock.close(linger=int(linger_s * 1000))
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()

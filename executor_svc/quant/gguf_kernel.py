@@ -47,6 +47,8 @@ class GGUFKernel:
         library.gguf_max_k.restype = _i64
         self.max_k = library.gguf_max_k()
         self.num_threads = library.gguf_set_threads(max(1, num_threads))
+        # one caller at a time (the C side's pool is one job at a time too), so one scratch will do
+        self._scratch = torch.empty(0, dtype=torch.float32)
 
     def supports(self, ggml_type: int, in_features: int) -> bool:
         return bool(self._lib.gguf_supported(ggml_type)) and in_features <= self.max_k and in_features % 32 == 0
@@ -56,9 +58,11 @@ class GGUFKernel:
         m = x.shape[0]
         n, row_bytes = packed.shape
         out = torch.empty(m, n, dtype=torch.float32)
-        block_sums = torch.empty(m * (in_features // 32), dtype=torch.float32)
+        sums = m * (in_features // 32)  # the kernel's scratch: x's block sums
+        if sums > self._scratch.numel():
+            self._scratch = torch.empty(sums, dtype=torch.float32)
         self._lib.gguf_matmul(
-            ggml_type, packed.data_ptr(), row_bytes, n, in_features, x.data_ptr(), m, block_sums.data_ptr(), out.data_ptr()
+            ggml_type, packed.data_ptr(), row_bytes, n, in_features, x.data_ptr(), m, self._scratch.data_ptr(), out.data_ptr()
         )
         return out
 

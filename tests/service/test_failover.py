@@ -365,6 +365,7 @@ def test_sigterm_to_the_scheduler_lets_streams_in_flight_finish(reference, hf_re
         for stream in streams:
             assert_is_reference(stream, reference, tokenizer, max_tokens=32)
         assert svc.scheduler.wait(timeout=20) == 0
-        # The executor outlives it (weights and cache kept), waiting for the next scheduler (#16).
+        # The executor outlives it (weights and cache kept), waiting for the next scheduler (#16); it
+        # learns of the stop from the notice, or from the drop when the notice is lost to it.
         wait_until(lambda: "waiting for the next one" in (svc.logdir / "executor0.log").read_text(), 10, "the executor waits")
         assert svc.executors[0].poll() is None

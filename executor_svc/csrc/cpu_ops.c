@@ -1,0 +1,72 @@
+// The decoder's elementwise ops for a few rows of float32 on the CPU, one C call each.
+//
+// At one token per step, each of these is a handful of microseconds of arithmetic, and the
+// torch version costs several dispatched ops (RMSNorm alone is seven: float, pow, mean, add,
+// rsqrt, mul, mul). Here each is one loop over the rows, written to give the numbers of
+// the torch ops in executor_svc/model.py (transformers' formulas, float32 throughout); only
+// the summation order of RMSNorm's mean differs.
+//
+// Shapes are row-major with explicit row strides (in floats) where the input may be a view.
+
+#include <math.h>
+#include <stdint.h>
+
+static float mean_square(const float *x, int64_t n) {
+    // 8 partial sums (what -O3 vectorises into one AVX register), then a fixed-order tree
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
+    float tail = 0.0f;
+    for (; i < n; i++) tail += x[i] * x[i];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    return (s + tail) / (float)n;
+}
+
+static void norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
+    float inv = 1.0f / sqrtf(mean_square(x, n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+// out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps))
+void pagoda_rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n, float eps) {
+    for (int64_t t = 0; t < rows; t++) norm_row(x + t * x_stride, w, out + t * n, n, eps);
+}
+
+// sum[t] = x[t] + residual[t]; out[t] = rms_norm(sum[t]).  `sum` may be `x` or `residual`.
+void pagoda_add_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t r_stride, const float *w,
+                         float *out, float *sum, int64_t rows, int64_t n, float eps) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xr = x + t * x_stride, *rr = residual + t * r_stride;
+        float *sr = sum + t * n;
+        for (int64_t i = 0; i < n; i++) sr[i] = xr[i] + rr[i];
+        norm_row(sr, w, out + t * n, n, eps);
+    }
+}
+
+// Neox rotary, in place: each head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin).
+// `base` row t holds `heads` heads of `head_dim` from column 0; cos and sin are [rows, head_dim / 2].
+void pagoda_rotary_neox(float *base, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+                        const float *cos_t, const float *sin_t) {
+    int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos_t + t * half, *s = sin_t + t * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = base + t * row_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+// x[t] = [gate | up], each n wide -> out[t] = silu(gate) * up, silu(g) = g / (1 + exp(-g))
+void pagoda_silu_and_mul(const float *x, int64_t rows, int64_t n, float *out) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *g = x + t * 2 * n, *u = g + n;
+        float *o = out + t * n;
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}

@@ -1,0 +1,64 @@
+"""The CPU elementwise ops (executor_svc/csrc/cpu_ops.c) against the torch ops they replace (executor_svc/model.py).
+
+Same formulas in float32: rotary and SiLU-and-mul to the bit or an ulp or two, RMSNorm within
+the rounding of a differently ordered sum. Strided rows (the q/k views of a merged q/k/v
+projection, a residual view) go through the C path; more rows than CPU_OPS_MAX_ROWS, or
+another dtype, fall back to torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc import fused_ops
+from executor_svc import model as torch_ops
+
+OPS = fused_ops.cpu_model_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason="no C compiler: the CPU ops are not built")
+TOL = dict(atol=2e-6, rtol=2e-6)
+ROWS = [1, 3, fused_ops.CPU_OPS_MAX_ROWS, fused_ops.CPU_OPS_MAX_ROWS + 1]  # the last: torch's path
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [576, 100, 7])
+def test_rms_norm_and_add_rms_norm(rows, hidden):
+    x = torch.randn(rows, hidden + 5)[:, :hidden]  # strided rows
+    residual = torch.randn(rows, hidden)
+    weight = 1 + 0.1 * torch.randn(hidden)
+    torch.testing.assert_close(OPS.rms_norm(x, weight, 1e-5), torch_ops.rms_norm(x, weight, 1e-5), **TOL)
+    out, total = OPS.add_rms_norm(x, residual, weight, 1e-5)
+    want_out, want_total = torch_ops.add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(total, want_total, atol=0, rtol=0)
+    torch.testing.assert_close(out, want_out, **TOL)
+    assert total.data_ptr() not in (x.data_ptr(), residual.data_ptr())  # the inputs are left as they were
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 16), (2, 1, 6)])
+def test_rotary_on_views_of_a_merged_projection(rows, heads, kv_heads, head_dim):
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim)
+    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q, k = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim)
+    angles = torch.rand(rows, head_dim // 2) * 100
+    cos, sin = angles.cos(), angles.sin()
+    want_q, want_k = torch_ops.apply_rotary(q.clone(), k.clone(), cos, sin)
+    v_before = v.clone()
+    got_q, got_k = OPS.apply_rotary(q, k, cos, sin)
+    torch.testing.assert_close(got_q, want_q, atol=0, rtol=0)
+    torch.testing.assert_close(got_k, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(v, v_before, atol=0, rtol=0)  # v, beside q and k in the same rows, untouched
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [1536, 3])
+def test_silu_and_mul(rows, width):
+    x = 4 * torch.randn(rows, 2 * width)
+    torch.testing.assert_close(OPS.silu_and_mul(x), torch_ops.silu_and_mul(x), atol=1e-6, rtol=4e-7)
+
+
+def test_other_dtypes_take_the_torch_path():
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    torch.testing.assert_close(OPS.rms_norm(x, weight, 1e-5), torch_ops.rms_norm(x, weight, 1e-5), atol=0, rtol=0)
+    torch.testing.assert_close(OPS.silu_and_mul(x), torch_ops.silu_and_mul(x), atol=0, rtol=0)
