@@ -41,6 +41,30 @@ CPU_OPS_ENV_SWITCH = "PAGODA_CPU_OPS"
 CPU_OPS_MAX_ROWS = 64
 
 
+_cpu_library: ctypes.CDLL | None | bool = False  # False: not loaded yet
+
+
+def cpu_ops_library() -> ctypes.CDLL | None:
+    """csrc/cpu_ops.c built and loaded once per process (its argument types set), or None."""
+    global _cpu_library
+    if _cpu_library is False:
+        library = cbuild.load(CPU_OPS_SOURCE, cbuild.BASE_CFLAGS, CPU_OPS_ENV_SWITCH, "CPU elementwise ops (torch ops instead)")
+        if library is not None:
+            i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+            signatures = {
+                "pagoda_rms_norm": [ptr, i64, ptr, ptr, i64, i64, f32],
+                "pagoda_add_rms_norm": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32],
+                "pagoda_rotary_neox": [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr],
+                "pagoda_silu_and_mul": [ptr, i64, i64, ptr],
+                "pagoda_write_kv": [ptr, ptr, i64, ptr, ptr, ptr, i64, i64],
+            }
+            for name, argtypes in signatures.items():
+                fn = getattr(library, name)
+                fn.argtypes, fn.restype = argtypes, None
+        _cpu_library = library
+    return _cpu_library
+
+
 def cpu_model_ops() -> ModelOps | None:
     """RMSNorm (+ residual add), rotary and SiLU-and-mul for float32 CPU models, or None (no compiler, off).
 
@@ -48,20 +72,11 @@ def cpu_model_ops() -> ModelOps | None:
     of arithmetic each; over 30 layers those dispatches were a third of a one-token step on
     the default model (`bench/bench_one_stream.py --only forward`).
     """
-    library = cbuild.load(CPU_OPS_SOURCE, cbuild.BASE_CFLAGS, CPU_OPS_ENV_SWITCH, "CPU elementwise ops (torch ops instead)")
+    library = cpu_ops_library()
     if library is None:
         return None
-    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    c_rms_norm = library.pagoda_rms_norm
-    c_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32]
-    c_add_rms_norm = library.pagoda_add_rms_norm
-    c_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]
-    c_rotary = library.pagoda_rotary_neox
-    c_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
-    c_silu_and_mul = library.pagoda_silu_and_mul
-    c_silu_and_mul.argtypes = [ptr, i64, i64, ptr]
-    for fn in (c_rms_norm, c_add_rms_norm, c_rotary, c_silu_and_mul):
-        fn.restype = None
+    c_rms_norm, c_add_rms_norm = library.pagoda_rms_norm, library.pagoda_add_rms_norm
+    c_rotary, c_silu_and_mul = library.pagoda_rotary_neox, library.pagoda_silu_and_mul
 
     def rows_ok(x: torch.Tensor) -> bool:  # a [T, n] float32 CPU tensor whose rows are contiguous
         return x.dim() == 2 and x.shape[0] <= CPU_OPS_MAX_ROWS and x.dtype == torch.float32 and x.stride(1) == 1
@@ -93,8 +108,8 @@ def cpu_model_ops() -> ModelOps | None:
             and cos.is_contiguous() and sin.is_contiguous()
         ):
             return model.apply_rotary(q, k, cos, sin)
-        c_rotary(q.data_ptr(), q.stride(0), t, heads, head_dim, cos.data_ptr(), sin.data_ptr())
-        c_rotary(k.data_ptr(), k.stride(0), t, k.shape[1], head_dim, cos.data_ptr(), sin.data_ptr())
+        c_rotary(q.data_ptr(), q.stride(0), q.data_ptr(), q.stride(0), t, heads, head_dim, cos.data_ptr(), sin.data_ptr())
+        c_rotary(k.data_ptr(), k.stride(0), k.data_ptr(), k.stride(0), t, k.shape[1], head_dim, cos.data_ptr(), sin.data_ptr())
         return q, k
 
     def silu_and_mul(x):

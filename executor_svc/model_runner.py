@@ -176,6 +176,10 @@ class ModelRunner:
             from executor_svc.fused_ops import cpu_model_ops
 
             self.model.ops = cpu_model_ops() or self.model.ops
+            if self.quantization == "gguf":
+                from executor_svc.cpu_decode_path import CpuDecodePath
+
+                self.model.decode_path = CpuDecodePath.build(self.model, self.attention)
         cache_dtype = getattr(self.attention, "cache_dtype", None)
         self.kv_cache_dtype = cache_dtype(self.dtype) if cache_dtype else self.dtype
         self._fingerprint = fingerprint(self.model_dir)

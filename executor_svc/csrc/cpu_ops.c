@@ -10,6 +10,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 static float mean_square(const float *x, int64_t n) {
     // 8 partial sums (what -O3 vectorises into one AVX register), then a fixed-order tree
@@ -44,21 +45,33 @@ void pagoda_add_rms_norm(const float *x, int64_t x_stride, const float *residual
     }
 }
 
-// Neox rotary, in place: each head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin).
-// `base` row t holds `heads` heads of `head_dim` from column 0; cos and sin are [rows, head_dim / 2].
-void pagoda_rotary_neox(float *base, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
-                        const float *cos_t, const float *sin_t) {
+// Neox rotary: each head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin). Row t of
+// `src` holds `heads` heads of `head_dim` from column 0, and so does row t of `dst` (which may
+// be `src`: in place); cos and sin are [rows, head_dim / 2].
+void pagoda_rotary_neox(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, int64_t rows,
+                        int64_t heads, int64_t head_dim, const float *cos_t, const float *sin_t) {
     int64_t half = head_dim / 2;
     for (int64_t t = 0; t < rows; t++) {
         const float *c = cos_t + t * half, *s = sin_t + t * half;
         for (int64_t h = 0; h < heads; h++) {
-            float *x1 = base + t * row_stride + h * head_dim, *x2 = x1 + half;
+            const float *x1 = src + t * src_stride + h * head_dim, *x2 = x1 + half;
+            float *y1 = dst + t * dst_stride + h * head_dim, *y2 = y1 + half;
             for (int64_t i = 0; i < half; i++) {
                 float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
+                y1[i] = a * c[i] - b * s[i];
+                y2[i] = b * c[i] + a * s[i];
             }
         }
+    }
+}
+
+// Row t of k and v (`src_stride` floats apart, `row_floats` each) into slot slots[t] of the
+// paged caches, which hold `row_floats` floats a slot (block b, offset o: slot b * block_size + o).
+void pagoda_write_kv(const float *k, const float *v, int64_t src_stride, float *k_cache, float *v_cache,
+                     const int64_t *slots, int64_t rows, int64_t row_floats) {
+    for (int64_t t = 0; t < rows; t++) {
+        memcpy(k_cache + slots[t] * row_floats, k + t * src_stride, (size_t)row_floats * sizeof(float));
+        memcpy(v_cache + slots[t] * row_floats, v + t * src_stride, (size_t)row_floats * sizeof(float));
     }
 }
 

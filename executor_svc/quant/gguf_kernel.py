@@ -66,10 +66,15 @@ class GGUFKernel:
         )
         return out
 
-    def dequantize(self, ggml_type: int, packed: torch.Tensor, in_features: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 rows `rows` (int64; all when None) of the packed weight."""
+    def dequantize(
+        self, ggml_type: int, packed: torch.Tensor, in_features: int, rows: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The float32 rows `rows` (int64; all when None) of the packed weight (into `out`, contiguous, if given)."""
         n = packed.shape[0] if rows is None else rows.shape[0]
-        out = torch.empty(n, in_features, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(n, in_features, dtype=torch.float32)
+        assert out.shape == (n, in_features) and out.dtype == torch.float32 and out.is_contiguous()
         self._lib.gguf_dequantize(
             ggml_type, packed.data_ptr(), packed.shape[1], in_features, 0 if rows is None else rows.data_ptr(), n, out.data_ptr()
         )

@@ -21,14 +21,29 @@ import os
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.quant.gguf_kernel import GGUFKernel
 
-# Above this many rows of x, dequantize + GEMM beats the fused kernel (measured on 2 cores, AVX2:
-# see bench/bench_gguf_matmul.py). PAGODA_GGUF_FUSED_MAX_ROWS overrides it for side-by-side runs.
-FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_FUSED_MAX_ROWS", "32"))
+# Above this many rows of x, dequantize + GEMM beats the fused kernel (measured on 2 cores, AVX2,
+# the default model's 120 decoder linears: fused 25 / 49 / 74 / 97 / 192 ms at 16 / 32 / 48 /
+# 64 / 128 rows, dequantize + GEMM 73 / 85 / 89 / 108 / 144 ms; the note of #18).
+# PAGODA_GGUF_FUSED_MAX_ROWS overrides it for side-by-side runs.
+FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_FUSED_MAX_ROWS", "64"))
+
+
+# The dequantize + GEMM path works a tile of weight rows this large (float32) at a time, in one
+# buffer that is reused (see GGUFLinear._dequantized_gemm).
+DEQUANT_TILE_BYTES = 16 << 20
+_buffer = torch.empty(0, dtype=torch.float32)
+
+
+def _dequant_buffer(numel: int) -> torch.Tensor:
+    """The process's dequantization buffer, at least `numel` floats (one caller at a time, as the kernel)."""
+    global _buffer
+    if _buffer.numel() < numel:
+        _buffer = torch.empty(numel, dtype=torch.float32)
+    return _buffer
 
 
 class GGUFLinear(nn.Module):
@@ -72,13 +87,38 @@ class GGUFLinear(nn.Module):
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).float().contiguous()
         if x.shape[0] > FUSED_MAX_ROWS:
-            y = F.linear(x, self.dequantize(), self.bias)
+            y = self._dequantized_gemm(x)
         else:
             parts = [self.kernel.matmul(t, p, self.in_features, x) for t, p in self.segments]
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
             if self.bias is not None:
                 y += self.bias
         return y.reshape(*lead, self.out_features)
+
+    def _dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T with W dequantized a tile of rows at a time into one reused buffer.
+
+        A fresh float32 weight each call cost more than the GEMM at batch sizes of 33-64 rows:
+        the allocator maps new pages for a tensor this size, and every page faults on its first
+        write (1,700 faults for a 3072 x 576 weight, on every step; measured in the note of #18).
+        """
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        rows_per_tile = max(1, DEQUANT_TILE_BYTES // (4 * self.in_features))
+        buffer = _dequant_buffer(min(rows_per_tile, self.out_features) * self.in_features)
+        start = 0
+        for ggml_type, packed in self.segments:
+            for n0 in range(0, packed.shape[0], rows_per_tile):
+                tile = packed[n0 : n0 + rows_per_tile]
+                w = buffer[: tile.shape[0] * self.in_features].view(tile.shape[0], self.in_features)
+                self.kernel.dequantize(ggml_type, tile, self.in_features, out=w)
+                if tile.shape[0] == self.out_features:  # the whole weight in one tile: straight into y
+                    torch.mm(x, w.t(), out=y)
+                else:
+                    y[:, start : start + tile.shape[0]].copy_(torch.mm(x, w.t()))
+                start += tile.shape[0]
+        if self.bias is not None:
+            y += self.bias
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, types={self.types}"

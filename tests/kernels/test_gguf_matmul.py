@@ -51,7 +51,7 @@ def test_dequantize_equals_gguf(ggml_type, shape):
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 9, 20])  # 9, 20: tiles of 8 rows, then the rest
 def test_matmul_equals_dequantized_weight(ggml_type, shape, num_rows):
     """x @ W.T through the fused kernel, every row-tile size, within float32 summation-order error."""
     rows, blocks = shape
@@ -64,9 +64,12 @@ def test_matmul_equals_dequantized_weight(ggml_type, shape, num_rows):
     assert torch.all((got - expected).abs() <= 1e-5 * scale + 1e-6)
 
 
+@pytest.mark.parametrize("tile_rows", [None, 5], ids=["whole-segments", "tiles-of-5-rows"])
 @pytest.mark.parametrize("num_rows", [1, gguf_linear.FUSED_MAX_ROWS + 3])
-def test_linear_segments_bias_and_both_paths(num_rows):
-    """Parts of different types in one module (q/k/v), a bias, the fused path and dequantize + GEMM."""
+def test_linear_segments_bias_and_both_paths(num_rows, tile_rows, monkeypatch):
+    """Parts of different types in one module (q/k/v), a bias, the fused path and dequantize + GEMM (by tiles)."""
+    if tile_rows:
+        monkeypatch.setattr(gguf_linear, "DEQUANT_TILE_BYTES", tile_rows * 128 * 4)
     parts = [packed_weight(T.Q4_1, 16, 4, 1), packed_weight(T.Q8_0, 8, 4, 2), packed_weight(T.Q4_0, 8, 4, 3)]
     kinds = [T.Q4_1, T.Q8_0, T.Q4_0]
     weight = torch.cat([torch.from_numpy(quants.dequantize(p, t)) for p, t in zip(parts, kinds)])

@@ -1,0 +1,175 @@
+"""A decode step of a GGUF model on the CPU as a row of C calls: no torch op, no module call per layer.
+
+At one token a layer's arithmetic is about 0.2 ms (mostly the four GGUF matmuls), and the
+Python around it (module calls, views, splits, the attention backend's checks, KV writes by
+`index_copy_`, ten tensor allocations) was another 0.1 ms: a third of the step on the
+default model. Here each layer is ten ctypes calls on buffers allocated once per step:
+
+    add+RMSNorm -> q/k/v matmul -> rotary (q into its own buffer, k in place) -> K/V into the
+    paged cache -> decode attention -> o_proj -> add+RMSNorm -> gate/up -> SiLU-and-mul -> down
+
+The C functions are the ones the module path calls (`csrc/cpu_ops.c`, the GGUF kernel, the
+decode-attention kernel), in the same order on the same values, so the hidden states are the
+same to the bit (tests/executor/test_cpu_decode_path.py). It takes a step only when every
+token is a decode, at most `MAX_ROWS` of them, and every slot is written; any other step
+goes through the modules. The attention of a step with many keys is split over the torch
+threads, as the module path does (`ONE_THREAD_KEYS`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from executor_svc.attention.torch_backend import TorchBackend
+from executor_svc.fused_ops import cpu_ops_library
+from executor_svc.model import DecoderModel
+from executor_svc.quant.gguf_linear import FUSED_MAX_ROWS, GGUFLinear
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = FUSED_MAX_ROWS  # above it, GGUFLinear dequantizes into a GEMM: the module path
+# Up to this many keys attended in a step (all sequences together) the attention runs on the
+# calling thread, one ctypes call; above it, through the kernel's wrapper, which splits the
+# sequences over the torch threads (about 15 us more a layer, less than one thread's extra time).
+ONE_THREAD_KEYS = 2048
+F32 = 4  # bytes
+ENV_SWITCH = "PAGODA_CPU_DECODE_PATH"  # =0: every step through the modules (side-by-side runs)
+
+
+@dataclass(frozen=True)
+class _Linear:
+    ggml_type: int
+    weight: int  # data_ptr of the packed blocks
+    row_bytes: int
+    out_features: int
+    in_features: int
+
+
+def _linear(module) -> _Linear | None:
+    if not isinstance(module, GGUFLinear) or len(module.types) != 1 or module.bias is not None:
+        return None
+    packed = module.packed0
+    return _Linear(module.types[0], packed.data_ptr(), packed.shape[1], module.out_features, module.in_features)
+
+
+class CpuDecodePath:
+    def __init__(self, model: DecoderModel, attention: TorchBackend, library, layers: list[tuple]) -> None:
+        self.model = model
+        self.attention = attention
+        self._ops = library
+        self._layers = layers  # per layer: (qkv, o, gate_up, down, input norm ptr, post-attention norm ptr)
+        self._gguf = model.layers[0].qkv_proj.kernel._lib.gguf_matmul
+        self._attend = attention._kernel._fn
+        c = model.config
+        # the GGUF kernel's scratch (x's block sums): one call at a time
+        self._scratch = torch.empty(MAX_ROWS * max(c.hidden_size, c.intermediate_size) // 32, dtype=torch.float32)
+
+    @classmethod
+    def build(cls, model: DecoderModel, attention) -> CpuDecodePath | None:
+        """The path for `model`, or None where some part of it is not what the C calls expect."""
+        c = model.config
+        library = cpu_ops_library()
+        if (
+            library is None or model.device.type != "cpu" or model.dtype != torch.float32 or model.tp.size != 1
+            or not isinstance(attention, TorchBackend) or not attention.uses_decode_kernel
+            or c.head_dim % 2 or c.num_heads % c.num_kv_heads
+        ):
+            return None
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            log.info("CPU decode path off (%s=0)", ENV_SWITCH)
+            return None
+        shapes = (  # (in, out) of q/k/v, o, gate/up, down
+            (c.hidden_size, c.q_size + 2 * c.kv_size), (c.q_size, c.hidden_size),
+            (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size),
+        )
+        layers = []
+        for layer in model.layers:
+            linears = [_linear(getattr(layer, name)) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+            if any(x is None or (x.in_features, x.out_features) != shape for x, shape in zip(linears, shapes)):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+                return None
+            layers.append((*linears, norms[0].data_ptr(), norms[1].data_ptr()))
+        log.info("CPU decode path: %d layers as C calls", len(layers))
+        return cls(model, attention, library, layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> tuple | None:
+        """(hidden, residual) as `DecoderModel.forward` returns them, or None: this step is not for this path."""
+        rows = input_ids.shape[0]
+        if rows > MAX_ROWS or meta.max_query_len != 1:
+            return None
+        attention = self.attention
+        k_cache0 = kv_caches[0][0]
+        block_size = k_cache0.shape[1]
+        layout = attention._layout_for(meta, block_size, attention._kernel)
+        if layout.write_rows is not None or len(layout.groups) != 1:
+            return None
+        group = layout.groups[0]
+        if group.kernel_lens is None or group.token_rows != slice(None) or k_cache0.dtype != torch.float32:
+            return None
+        model, c = self.model, self.model.config
+        q_size, kv_size, inter, hid = c.q_size, c.kv_size, c.intermediate_size, c.hidden_size
+        qkv_width = q_size + 2 * kv_size
+        eps = c.rms_norm_eps
+
+        residual = model.embed_tokens(input_ids)  # [T, hidden], fresh: it becomes the residual stream
+        if residual.dtype != torch.float32 or not residual.is_contiguous():
+            return None
+        cos = model.rotary_cos.index_select(0, positions)
+        sin = model.rotary_sin.index_select(0, positions)
+        hidden = torch.empty(rows, hid)
+        normed = torch.empty(rows, hid)
+        qkv = torch.empty(rows, qkv_width)
+        q = torch.empty(rows, q_size)
+        attn = torch.empty(rows, q_size)
+        gate_up = torch.empty(rows, 2 * inter)
+        act = torch.empty(rows, inter)
+        scratch = torch.empty(c.num_heads * (block_size + 2))
+        slots = layout.write_slots
+        table, lens = group.block_table, group.kernel_lens
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or table.stride(1) != 1:
+            return None
+
+        ops, gguf, attend = self._ops, self._gguf, self._attend
+        rms_norm, add_rms_norm = ops.pagoda_rms_norm, ops.pagoda_add_rms_norm
+        rotary, write_kv, silu_and_mul = ops.pagoda_rotary_neox, ops.pagoda_write_kv, ops.pagoda_silu_and_mul
+        R, H, N = residual.data_ptr(), hidden.data_ptr(), normed.data_ptr()
+        QKV, Q, A, GU, ACT = qkv.data_ptr(), q.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr()
+        K, V = QKV + q_size * F32, QKV + (q_size + kv_size) * F32
+        COS, SIN, SLOTS, S = cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), self._scratch.data_ptr()
+        TABLE, TABLE_STRIDE, LENS, SCRATCH = table.data_ptr(), table.stride(0), lens.data_ptr(), scratch.data_ptr()
+        heads, kv_heads, head_dim, scale = c.num_heads, c.num_kv_heads, c.head_dim, model.layers[0].scale
+        num_seqs = lens.shape[0]
+        one_thread = meta.max_seq_len * num_seqs <= ONE_THREAD_KEYS
+        kernel, split = attention._kernel, group.kernel_split
+        q_heads = q.view(rows, heads, head_dim)
+
+        for i, ((qkv_w, o_w, gu_w, down_w, norm1, norm2), (k_cache, v_cache)) in enumerate(
+            zip(self._layers, kv_caches, strict=True)
+        ):
+            KC, VC = k_cache.data_ptr(), v_cache.data_ptr()
+            if i == 0:
+                rms_norm(R, hid, norm1, N, rows, hid, eps)
+            else:
+                add_rms_norm(H, hid, R, hid, norm1, N, R, rows, hid, eps)
+            gguf(qkv_w.ggml_type, qkv_w.weight, qkv_w.row_bytes, qkv_width, hid, N, rows, S, QKV)
+            rotary(QKV, qkv_width, Q, q_size, rows, heads, head_dim, COS, SIN)
+            rotary(K, qkv_width, K, qkv_width, rows, kv_heads, head_dim, COS, SIN)
+            write_kv(K, V, qkv_width, KC, VC, SLOTS, rows, kv_size)
+            if one_thread:
+                attend(Q, KC, VC, TABLE, TABLE_STRIDE, LENS, A, SCRATCH, heads, kv_heads, head_dim, block_size, scale, 0, num_seqs)
+                out = A
+            else:
+                attn = kernel(q_heads, k_cache, v_cache, table, lens, scale, split)  # keep it alive for o_proj
+                out = attn.data_ptr()
+            gguf(o_w.ggml_type, o_w.weight, o_w.row_bytes, hid, q_size, out, rows, S, H)
+            add_rms_norm(H, hid, R, hid, norm2, N, R, rows, hid, eps)
+            gguf(gu_w.ggml_type, gu_w.weight, gu_w.row_bytes, 2 * inter, hid, N, rows, S, GU)
+            silu_and_mul(GU, rows, inter, ACT)
+            gguf(down_w.ggml_type, down_w.weight, down_w.row_bytes, hid, inter, ACT, rows, S, H)
+        return hidden, residual
