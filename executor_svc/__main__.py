@@ -148,7 +148,16 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     if is_group(args):  # rank 0 alone holds the link (and its keys); see executor_svc/parallel
         from executor_svc.parallel.launch import run_group
 
-        return run_group(args, model_dir, runner_options, make_worker, argv)
+        code = run_group(args, model_dir, runner_options, make_worker, argv)
+        # A rank leaves without the interpreter's teardown. Its work is done (requests handed back,
+        # the other ranks told to leave, spawned ranks waited for; the OS closes the group's
+        # sockets), but at exit a C++ destructor of the torch.distributed stack sometimes aborted
+        # the process ("terminate called without an active exception": SIGABRT instead of this
+        # exit code, seen in CI after a clean SIGTERM).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return make_worker(load_or_fail).run()
 
 

@@ -3,11 +3,12 @@
 The file is written with the `gguf` package's writer: Llama-2-7B's shapes (hidden 4096, MLP
 11008, 32 heads, vocabulary 32,000) but 2 of its 32 layers, so the test writes and loads
 ~375 MB instead of 3.8 GB; every layer is the same size, so what holds for 2 holds for 32.
-The load runs in a fresh process, whose resident memory after the load and peak resident
-memory (ru_maxrss) are compared with its size just before: a float32 copy of any layer on
-the way would show (a 4096 x 11008 projection alone is 180 MB in float32, 25 MB in Q4_0).
-The peak counts the file's memory-mapped pages while they are copied into the model's own
-memory (the reader's mapping is dropped after the load).
+The load runs in a fresh process, whose resident memory after the load and the peak of its
+anonymous resident memory during the load (sampled every 2 ms) are compared with their sizes
+just before: a float32 copy of any layer on the way would show (a 4096 x 11008 projection
+alone is 180 MB in float32, 25 MB in Q4_0). Anonymous memory leaves out the file's
+memory-mapped pages, which depend on the page cache (the reader's mapping is dropped after
+the load).
 """
 
 from __future__ import annotations
@@ -26,19 +27,32 @@ HIDDEN, MLP, HEADS, VOCAB, LAYERS = 4096, 11008, 32, 32000, 2
 pytestmark = pytest.mark.skipif(get_kernel() is None, reason="no C compiler: the GGUF kernel is not built")
 
 LOAD = r"""
-import gc, json, os, resource, sys, torch
+import gc, json, os, resource, sys, threading, torch
 from executor_svc.loader import load_config, load_model, weight_bytes
 from executor_svc.quant.gguf_kernel import get_kernel
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def anon():  # resident anonymous memory: our own copies, not the file's mapped pages
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
 load_config(sys.argv[1]), get_kernel()  # transformers' config code and the kernel: not weights
-before = rss()
+before, before_anon = rss(), anon()
+peak_anon, done = before_anon, threading.Event()
+def sample():  # every 2 ms: a float32 copy of a projection lives far longer than that
+    global peak_anon
+    while not done.wait(0.002):
+        peak_anon = max(peak_anon, anon())
+sampler = threading.Thread(target=sample)
+sampler.start()
 model = load_model(sys.argv[1], torch.device("cpu"), torch.float32, "gguf")
+done.set()
+sampler.join()
 gc.collect()
 after = rss()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 types = sorted({t for layer in model.layers for m in (layer.qkv_proj, layer.down_proj) for t in m.types})
-print(json.dumps({"before": before, "after": after, "peak": peak, "weights": weight_bytes(model), "types": types,
-                  "head": model.lm_head.types}))
+print(json.dumps({"before": before, "after": after, "peak": peak, "anon_growth_peak": peak_anon - before_anon,
+                  "weights": weight_bytes(model), "types": types, "head": model.lm_head.types}))
 """
 
 
@@ -97,4 +111,8 @@ def test_7b_shaped_q4_0_model_fits_its_file_size(tmp_path):
     # 1.22x-1.30x measured alone; in a full test run the file's mapped pages may still be
     # resident for a while (up to 2x). A float32 copy of the model would be ~7x.
     assert r["after"] - r["before"] < 2.5 * file_bytes, (r, file_bytes)
-    assert r["peak"] - r["before"] < 3.5 * file_bytes, (r, file_bytes)  # 2.2x alone, 3.3x in a full test run
+    # At the peak: our own (anonymous) memory grew by the model's copy of the blocks and little
+    # else: 1.09x measured. A float32 copy of one 4096 x 11008 projection on the way would add
+    # 0.48x. The peak of all resident memory (ru_maxrss) also counts the file's mapped pages,
+    # which depend on the page cache: 2.2x alone, 3.3x-4.0x in full test runs, so it is not a bound.
+    assert r["anon_growth_peak"] < 1.4 * file_bytes, (r, file_bytes)
