@@ -165,8 +165,9 @@ class CpuDecodePath:
                 attend(Q, KC, VC, TABLE, TABLE_STRIDE, LENS, A, SCRATCH, heads, kv_heads, head_dim, block_size, scale, 0, num_seqs)
                 out = A
             else:
-                attn = kernel(q_heads, k_cache, v_cache, table, lens, scale, split)  # keep it alive for o_proj
-                out = attn.data_ptr()
+                # (split_out stays alive until o_proj has read it)
+                split_out = kernel(q_heads, k_cache, v_cache, table, lens, scale, split)
+                out = split_out.data_ptr()
             gguf(o_w.ggml_type, o_w.weight, o_w.row_bytes, hid, q_size, out, rows, S, H)
             add_rms_norm(H, hid, R, hid, norm2, N, R, rows, hid, eps)
             gguf(gu_w.ggml_type, gu_w.weight, gu_w.row_bytes, 2 * inter, hid, N, rows, S, GU)

@@ -135,3 +135,18 @@ def run_to_completion(runner, builder: PlanBuilder, max_steps: int = 10_000, on_
     runner.execute(StepPlan(step_id=builder.step_id, finished_req_ids=builder.finished))
     builder.finished = []
     return builder.outputs
+
+
+def record_sampled_rows(runner) -> list[str]:
+    """Wrap `runner.prepare_inputs` (as an instance attribute) so that the returned list holds,
+    once each step's inputs are built, the request id of each row of that step's logits."""
+    rows: list[str] = []
+    prepare = runner.prepare_inputs
+
+    def remember(plan):
+        inputs = prepare(plan)
+        rows[:] = inputs.sampled_req_ids
+        return inputs
+
+    runner.prepare_inputs = remember
+    return rows

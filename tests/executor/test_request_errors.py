@@ -10,7 +10,7 @@ from executor_svc.sampler import Sampler, SamplingRow
 from pagoda import wire
 from pagoda.step import RequestError, SamplingParams, StepPlan, StepResult
 from tests.executor.conftest import TINY_VOCAB
-from tests.executor.plans import GREEDY, PlanBuilder, run_to_completion
+from tests.executor.plans import GREEDY, PlanBuilder, record_sampled_rows, run_to_completion
 
 PROMPTS = {"a": list(range(10, 30)), "bad": list(range(40, 47)), "c": list(range(100, 133))}
 
@@ -22,12 +22,7 @@ def _run(runner: ModelRunner, poison: set[str]) -> tuple[dict[str, list[int]], l
         builder.add(req_id, prompt, 8, GREEDY)
     errors: list[RequestError] = []
     compute_logits, prepare_inputs = runner.model.compute_logits, runner.prepare_inputs
-    order: list[str] = []
-
-    def prepare(plan):
-        inputs = prepare_inputs(plan)
-        order[:] = inputs.sampled_req_ids
-        return inputs
+    order = record_sampled_rows(runner)
 
     def poisoned(hidden, residual, indices=None):
         logits = compute_logits(hidden, residual, indices)
@@ -44,7 +39,7 @@ def _run(runner: ModelRunner, poison: set[str]) -> tuple[dict[str, list[int]], l
             builder._finish(error.req_id)
         return result
 
-    runner.model.compute_logits, runner.prepare_inputs = poisoned, prepare
+    runner.model.compute_logits = poisoned
     try:
         outputs = run_to_completion(runner, builder, on_step=step)
     finally:
@@ -147,13 +142,7 @@ def test_with_drafts_one_bad_request_fails_alone(tiny_model_dirs, monkeypatch, f
     assert clean.errors == []
     if fault == "nan":
         compute_logits = runner.model.compute_logits
-        rows: list[str] = []
-        prepare = runner.prepare_inputs
-
-        def remember(plan):
-            inputs = prepare(plan)
-            rows[:] = inputs.sampled_req_ids
-            return inputs
+        rows = record_sampled_rows(runner)  # a runner of this test alone: nothing to restore
 
         def poisoned(hidden, residual, indices=None):
             logits = compute_logits(hidden, residual, indices)
@@ -162,7 +151,6 @@ def test_with_drafts_one_bad_request_fails_alone(tiny_model_dirs, monkeypatch, f
                 logits[bad[-1]] = float("nan")  # its bonus row only
             return logits
 
-        monkeypatch.setattr(runner, "prepare_inputs", remember)
         monkeypatch.setattr(runner.model, "compute_logits", poisoned)
     else:
         original = mr.verify

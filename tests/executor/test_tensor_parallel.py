@@ -21,7 +21,7 @@ from executor_svc.model_runner import ModelRunner
 from executor_svc.parallel.sharding import TensorShards, check_split
 from pagoda.step import StepPlan
 from tests.executor.conftest import TINY_VOCAB
-from tests.executor.plans import GREEDY, PlanBuilder, run_to_completion
+from tests.executor.plans import GREEDY, PlanBuilder, record_sampled_rows, run_to_completion
 from tests.executor.test_model_runner import hf_greedy
 from tests.service.harness import free_port
 
@@ -60,14 +60,9 @@ def stale_plan_scenario(runner) -> dict:
     from pagoda.step import CachedRequestData, NewRequestData
 
     prompts = {"bad": [5, 6, 7, 8, 9], "ok": [11, 12, 13, 14, 15, 16, 17]}
-    prepare, compute_logits = runner.prepare_inputs, runner.model.compute_logits
-    rows: list[str] = []
+    compute_logits = runner.model.compute_logits
+    rows = record_sampled_rows(runner)
     poison = [False]
-
-    def remember(plan):
-        inputs = prepare(plan)
-        rows[:] = inputs.sampled_req_ids
-        return inputs
 
     def poisoned(hidden, residual, indices=None):
         logits = compute_logits(hidden, residual, indices)
@@ -77,7 +72,7 @@ def stale_plan_scenario(runner) -> dict:
                     logits[i] = float("nan")
         return logits
 
-    runner.prepare_inputs, runner.model.compute_logits = remember, poisoned
+    runner.model.compute_logits = poisoned
     new = [NewRequestData(r, p, len(p), GREEDY, [2 * i + 1, 2 * i + 2], 0) for i, (r, p) in enumerate(prompts.items())]
     both = {"bad": 1, "ok": 1}
     cached = [CachedRequestData(r, []) for r in prompts]
