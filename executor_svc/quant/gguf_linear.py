@@ -3,7 +3,7 @@
 A `GGUFLinear` holds its weight as one or more row segments, each a uint8 tensor
 [rows, row_bytes] of one GGML block type (a merged q/k/v projection whose parts were
 quantized to different types keeps three segments). Per call it picks by the number of
-rows of x, as measured on this machine (`bench/bench_gguf_matmul.py`):
+rows of x, as measured on this machine (the note of #18):
 
 - few rows (decode steps): the fused kernel, which reads each block once and never
   writes a float32 weight;
@@ -89,8 +89,12 @@ class GGUFLinear(nn.Module):
         if x.shape[0] > FUSED_MAX_ROWS:
             y = self._dequantized_gemm(x)
         else:
-            parts = [self.kernel.matmul(t, p, self.in_features, x) for t, p in self.segments]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+            # each segment writes its columns of y in place (q/k Q4_K, v Q6_K: no concatenation)
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+            start = 0
+            for ggml_type, packed in self.segments:
+                self.kernel.matmul_into(ggml_type, packed, self.in_features, x, y.narrow(1, start, packed.shape[0]))
+                start += packed.shape[0]
             if self.bias is not None:
                 y += self.bias
         return y.reshape(*lead, self.out_features)

@@ -226,20 +226,21 @@ INLINE __m256i k5_high(const __m256i qh, const int s) {
 
 /* Group g of a row (K weights) into G; returns its number of weights (256, or fewer for the
  * last group of a row of 32-weight blocks). */
-INLINE int decode_group(const int type, const uint8_t *restrict row, const int64_t g, const int64_t K, group_t *restrict G) {
+INLINE int decode_group(const int type, const uint8_t *restrict row, const int64_t g, const int64_t K, group_t *restrict G,
+                        const int with_q) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     if (type == GGML_Q5_0 || type == GGML_Q5_1) {
-        const int has_m = type == GGML_Q5_1;
+        const int has_m = type == GGML_Q5_1, bsize = 22 + 2 * has_m;
         const int64_t first = g * 8, left = K / QK - first;
         const int count = left < 8 ? (int)left : 8;
-        const uint8_t *blk = row + first * (22 + 2 * has_m);
-        for (int i = 0; i < count; ++i, blk += 22 + 2 * has_m) {
+        const uint8_t *blk = row + first * bsize;
+        for (int i = 0; i < count; ++i, blk += bsize) {
             const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6 + 2 * has_m));
             const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low4);
-            const __m256i high = bytes_from_bits(blk + 2 + 2 * has_m);
+            const __m256i set = bytes_from_bits(blk + 2 + 2 * has_m);
             /* Q5_0: q - 16 as int8 (nibble | 0xF0 where the 5th bit is clear); Q5_1: q */
-            const __m256i q = has_m ? _mm256_or_si256(nib, _mm256_and_si256(high, _mm256_set1_epi8(0x10)))
-                                    : _mm256_or_si256(nib, _mm256_andnot_si256(high, _mm256_set1_epi8((char)0xF0)));
+            const __m256i q = has_m ? _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+                                    : _mm256_or_si256(nib, _mm256_andnot_si256(set, _mm256_set1_epi8((char)0xF0)));
             _mm256_store_si256((__m256i *)(G->q + 32 * i), q);
             G->scale[i] = fp16(blk);
             if (has_m) G->min[i] = fp16(blk + 2);
@@ -253,6 +254,7 @@ INLINE int decode_group(const int type, const uint8_t *restrict row, const int64
         k4_scales_mins(blk + 4, sc, mn);
         bytes_times(sc, 0, fp16(blk), G->scale);
         bytes_times(mn, 0, -fp16(blk + 2), G->min); /* -(dmin m): (d sc q) + min equals d sc q - dmin m exactly */
+        if (!with_q) return QK_K;
         const uint8_t *ql = blk + 16 + 32 * five;
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
@@ -329,12 +331,15 @@ INLINE int decode_group(const int type, const uint8_t *restrict row, const int64
 }
 
 /* Sub-block s32 (32 weights) of a decoded group as 4 x 8 floats. */
-INLINE void group_q(const group_t *G, const int s32, __m256 q[4]) { int8s((const uint8_t *)G->q + 32 * s32, q); }
+INLINE void group_q(const int type, const group_t *G, const int s32, __m256 q[4]) {
+    (void)type;
+    int8s((const uint8_t *)G->q + 32 * s32, q);
+}
 
 /* The float weights of sub-block s32: q scale + min, 4 x 8 (the w form). */
 INLINE void group_w(const int type, const group_t *G, const int s32, __m256 w[4]) {
     __m256 q[4];
-    group_q(G, s32, q);
+    group_q(type, G, s32, q);
     for (int i = 0; i < 4; ++i) {
         const int s = group_sub(type) == 32 ? s32 : 2 * s32 + i / 2;
         const __m256 sv = _mm256_set1_ps(G->scale[s]);
@@ -350,6 +355,26 @@ INLINE int group_t_form(const int type, const int64_t mt) {
     return group_sub(type) == 32 || mt <= 2;
 }
 
+/* The t form's step for one sub-block of 32 weights (q, 4 x 8 floats) against mt rows of x. */
+INLINE void t_step(const int type, const __m256 q[4], const float *restrict xg, const int64_t K, const int64_t mt,
+                   const float *scale, __m256 *acc) {
+    for (int64_t m = 0; m < mt; ++m) {
+        const float *xb = xg + m * K;
+        if (group_sub(type) == 32) {
+            __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+            t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), t);
+            t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), t);
+            t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), t);
+            acc[m] = _mm256_fmadd_ps(t, _mm256_set1_ps(scale[0]), acc[m]);
+        } else {
+            const __m256 t0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(xb)));
+            const __m256 t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(q[2], _mm256_loadu_ps(xb + 16)));
+            acc[m] = _mm256_fmadd_ps(t0, _mm256_set1_ps(scale[0]), acc[m]);
+            acc[m] = _mm256_fmadd_ps(t1, _mm256_set1_ps(scale[1]), acc[m]);
+        }
+    }
+}
+
 /* Rows [n0, n1) of W against rows [0, mt) of x (mt <= 4, or WIDE_TILE); xs = block sums of x
  * (of 32 weights), read only by the t form of types with mins. */
 INLINE void group_rows(const int type, const uint8_t *restrict w, const int64_t row_bytes, const int64_t K,
@@ -357,7 +382,7 @@ INLINE void group_rows(const int type, const uint8_t *restrict w, const int64_t 
                        const int64_t ldy, const int64_t n0, const int64_t n1) {
     const int64_t ng = (K + GROUP - 1) / GROUP, nb = K / QK;
     const int t_form = mt <= 4 && group_t_form(type, mt), mins = t_form && group_has_min(type);
-    group_t G;
+    group_t groups[2];
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *row = w + n * row_bytes;
         prefetch_ahead(row, row_bytes, n, n1);
@@ -368,44 +393,53 @@ INLINE void group_rows(const int type, const uint8_t *restrict w, const int64_t 
             macc[m] = _mm256_setzero_ps();
             tail[m] = 0.f;
         }
+        /* decoded one group ahead: the group's int8 stores are long written when its loads come
+         * (a load right behind a wider store to the same bytes stalls on store forwarding). The
+         * t form of Q4_K reads its nibbles straight from the block, 2 sub-blocks a load, as
+         * fused_rows does (the group holds its scales and mins only). */
+        const int direct = t_form && type == GGML_Q4_K;
+        int next_nw = decode_group(type, row, 0, K, &groups[0], !direct);
         for (int64_t g = 0; g < ng; ++g) {
-            const int nw = decode_group(type, row, g, K, &G);
-            for (int s32 = 0; s32 < nw / 32; ++s32) {
-                const float *xg = x + g * GROUP + 32 * s32;
-                if (t_form) {
-                    __m256 q[4];
-                    group_q(&G, s32, q);
-                    for (int64_t m = 0; m < mt; ++m) {
-                        const float *xb = xg + m * K;
-                        if (group_sub(type) == 32) {
-                            __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
-                            t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), t);
-                            t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), t);
-                            t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), t);
-                            acc[m] = _mm256_fmadd_ps(t, _mm256_set1_ps(G.scale[s32]), acc[m]);
-                        } else {
-                            const __m256 t0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(xb)));
-                            const __m256 t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(q[2], _mm256_loadu_ps(xb + 16)));
-                            acc[m] = _mm256_fmadd_ps(t0, _mm256_set1_ps(G.scale[2 * s32]), acc[m]);
-                            acc[m] = _mm256_fmadd_ps(t1, _mm256_set1_ps(G.scale[2 * s32 + 1]), acc[m]);
-                        }
+            const group_t *restrict G = &groups[g & 1];
+            const int nw = next_nw;
+            if (g + 1 < ng) next_nw = decode_group(type, row, g + 1, K, &groups[(g + 1) & 1], !direct);
+            if (direct) {
+                const uint8_t *qs = row + g * 144 + 16;
+                for (int j = 0; j < 4; ++j) {
+                    __m256i a[4];
+                    __m256 lo[4], hi[4];
+                    for (int i = 0; i < 4; ++i) {
+                        a[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * j + 8 * i)));
+                        lo[i] = _mm256_cvtepi32_ps(_mm256_and_si256(a[i], _mm256_set1_epi32(0x0F)));
+                        hi[i] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a[i], 4));
                     }
-                } else {
-                    __m256 wv[4];
-                    group_w(type, &G, s32, wv);
-                    for (int64_t m = 0; m < mt; ++m) {
-                        const float *xb = xg + m * K;
-                        for (int i = 0; i < 4; ++i) acc[m] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + 8 * i), acc[m]);
+                    t_step(type, lo, x + g * GROUP + 64 * j, K, mt, G->scale + 2 * j, acc);
+                    t_step(type, hi, x + g * GROUP + 64 * j + 32, K, mt, G->scale + 2 * j + 1, acc);
+                }
+            } else {
+                for (int s32 = 0; s32 < nw / 32; ++s32) {
+                    const float *xg = x + g * GROUP + 32 * s32;
+                    if (t_form) {
+                        __m256 q[4];
+                        group_q(type, G, s32, q);
+                        t_step(type, q, xg, K, mt, G->scale + (group_sub(type) == 32 ? s32 : 2 * s32), acc);
+                    } else {
+                        __m256 wv[4];
+                        group_w(type, G, s32, wv);
+                        for (int64_t m = 0; m < mt; ++m) {
+                            const float *xb = xg + m * K;
+                            for (int i = 0; i < 4; ++i) acc[m] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + 8 * i), acc[m]);
+                        }
                     }
                 }
             }
             if (mins) { /* sub-blocks of 32: min j against x's block sum j */
                 if (nw == GROUP) {
-                    const __m256 mv = _mm256_load_ps(G.min);
+                    const __m256 mv = _mm256_load_ps(G->min);
                     for (int64_t m = 0; m < mt; ++m) macc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + m * nb + g * 8), macc[m]);
                 } else {
                     for (int64_t m = 0; m < mt; ++m)
-                        for (int s = 0; s < nw / 32; ++s) tail[m] += G.min[s] * xs[m * nb + g * 8 + s];
+                        for (int s = 0; s < nw / 32; ++s) tail[m] += G->min[s] * xs[m * nb + g * 8 + s];
                 }
             }
         }
@@ -439,10 +473,10 @@ INLINE void dequant_simple(const int type, const uint8_t *blk, float *y) {
 INLINE void dequant_groups(const int type, const uint8_t *row, const int64_t K, float *out) {
     group_t G;
     for (int64_t g = 0; g < (K + GROUP - 1) / GROUP; ++g) {
-        const int nw = decode_group(type, row, g, K, &G);
+        const int nw = decode_group(type, row, g, K, &G, 1);
         for (int s32 = 0; s32 < nw / 32; ++s32) {
             __m256 q[4];
-            group_q(&G, s32, q);
+            group_q(type, &G, s32, q);
             for (int i = 0; i < 4; ++i) {
                 const int s = group_sub(type) == 32 ? s32 : 2 * s32 + i / 2;
                 __m256 v = _mm256_mul_ps(q[i], _mm256_set1_ps(G.scale[s]));
