@@ -1,8 +1,7 @@
 """The GGUF kernel against the `gguf` package's own dequantization, every supported block type, odd shapes.
 
-The `gguf` package quantizes Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 but not the K-quants: their blocks are
-random bytes with finite fp16 scales (every bit pattern of the quants and packed sub-scales is
-a valid block). The portable C build (no AVX2) is checked the same way.
+Blocks come from `tests.gguf_blocks` (K-quants: random bytes with finite scales). The portable C
+build (no AVX2) is checked the same way.
 """
 
 from __future__ import annotations
@@ -19,27 +18,16 @@ from executor_svc import cbuild
 from executor_svc.quant import gguf_kernel, gguf_linear
 from executor_svc.quant.gguf_kernel import GGUFKernel, get_kernel
 from executor_svc.quant.gguf_linear import GGUFLinear
+from tests.gguf_blocks import K_QUANT_SCALES, QUANTIZABLE, T, assert_matmul_close, random_blocks
 
-T = GGMLQuantizationType
-SIMPLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # the gguf package can quantize these
-# byte offsets of each K-quant block's fp16 scales (d, dmin)
-K_QUANTS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
-TYPES = [*SIMPLE, *K_QUANTS]
+TYPES = [*QUANTIZABLE, *K_QUANT_SCALES]
 
 pytestmark = pytest.mark.skipif(get_kernel() is None, reason="no C compiler: the GGUF kernel is not built")
 
 
 def packed_weight(ggml_type: GGMLQuantizationType, rows: int, blocks: int, seed: int) -> np.ndarray:
-    """[rows, row_bytes] blocks: quantized from random floats, or (K-quants) random bytes with sane scales."""
-    rng = np.random.default_rng(seed)
-    block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
-    if ggml_type in SIMPLE:
-        return quants.quantize(rng.standard_normal((rows, blocks * block_weights)).astype(np.float32), ggml_type)
-    data = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
-    for offset in K_QUANTS[ggml_type]:
-        scales = rng.uniform(-0.05, 0.05, (rows, blocks)).astype(np.float16)
-        data[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, blocks, 2)
-    return data.reshape(rows, blocks * block_bytes)
+    """Quantized from standard-normal floats, or (K-quants) random bytes with scales in +-0.05."""
+    return random_blocks(ggml_type, rows, blocks, seed, scale=1.0 if ggml_type in QUANTIZABLE else 0.05)
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +64,6 @@ def test_dequantize_equals_gguf_to_the_bit(ggml_type, shape, portable, request):
     picked = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
     got_rows = kernel.dequantize(int(ggml_type), torch.from_numpy(packed), expected.shape[1], picked)
     np.testing.assert_array_equal(got_rows.numpy(), got.numpy()[picked.numpy()])
-
-
-def assert_matmul_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """Within float32 summation-order error of the float64 product (the bound grows with sum |x w|)."""
-    expected = (x.double() @ weight.double().T).float()
-    scale = (x.abs().double() @ weight.abs().double().T).float()
-    assert torch.all((got - expected).abs() <= 1e-5 * scale + 1e-6), (got - expected).abs().max()
 
 
 # 1-4: tiles of 1-4 rows; 8: two tiles of 4; 9, 20, 64, 65: tiles of 8 rows, then the rest
