@@ -16,6 +16,10 @@ two files alternating, `--repeats` times; the table keeps each one's best pass (
 machine's noise only ever adds time). ms/MB is the pass's time over its weights' megabytes;
 "vs baseline" is the mixed file's ms/MB over the baseline's (below 1: faster per byte). A second
 table times each GGML type alone (every tensor of that type, one kernel call each).
+
+`--clock thread` (with `--threads 1`: the kernel then runs on the calling thread) times the
+thread's CPU time instead of the wall clock: on a machine others load, time spent descheduled
+is left out, so the per-byte ratio is the kernel's own.
 """
 
 from __future__ import annotations
@@ -81,19 +85,23 @@ def load_linears(path: Path, kernel) -> Model:
     return Model(path.name, linears, tensors, total)
 
 
-def one_pass(linears: list, xs: dict[int, torch.Tensor]) -> float:
-    start = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def one_pass(linears: list, xs: dict[int, torch.Tensor], clock=time.perf_counter) -> float:
+    start = clock()
     for linear in linears:
         linear(xs[linear.in_features])
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def per_type_pass(kernel, tensors: list[tuple[int, torch.Tensor, int]], xs: dict[int, torch.Tensor]) -> dict[int, float]:
+def per_type_pass(kernel, tensors: list[tuple[int, torch.Tensor, int]], xs: dict[int, torch.Tensor],
+                  clock=time.perf_counter) -> dict[int, float]:
     seconds: dict[int, float] = defaultdict(float)
     for ggml_type, packed, in_features in tensors:
-        start = time.perf_counter()
+        start = clock()
         kernel.matmul(ggml_type, packed, in_features, xs[in_features])
-        seconds[ggml_type] += time.perf_counter() - start
+        seconds[ggml_type] += clock() - start
     return seconds
 
 
@@ -104,6 +112,10 @@ def main() -> int:
     from executor_svc.quant.gguf_kernel import get_kernel
     from pagoda.model_files import default_gguf_path
 
+    if args.clock == "thread" and args.threads != 1:
+        print("--clock thread needs --threads 1 (the pool's other threads' time would be missed)", file=sys.stderr)
+        return 2
+    clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     kernel = get_kernel()
@@ -111,26 +123,28 @@ def main() -> int:
         print("no GGUF kernel (no C compiler, or PAGODA_GGUF_KERNEL=0)", file=sys.stderr)
         return 2
     mixed = Path(args.mixed) if args.mixed else assembled_mixed_file()
-    models = [load_linears(Path(args.baseline) if args.baseline else default_gguf_path(), kernel), load_linears(mixed, kernel)]
+    baseline = Path(args.baseline) if args.baseline else default_gguf_path()
+    models = [load_linears(baseline, kernel), load_linears(mixed, kernel)]
     info = machine_info()
     print(machine_line(info))
     print(f"kernel: {kernel.num_threads} thread(s), {'AVX2 fused loops' if kernel.simd else 'portable C'}; "
-          f"best of {args.repeats} passes, the two files alternating")
+          f"best of {args.repeats} passes, the two files alternating, {args.clock} clock")
     for m in models:
         kinds = sorted({GGMLQuantizationType(t).name for t, _, _ in m.tensors})
         print(f"  {m.name}: {len(m.linears)} linears, {m.weight_bytes / 1e6:.1f} MB of blocks ({', '.join(kinds)})")
     rows, type_rows = [], []
     for num_rows in args.rows:
         gen = torch.Generator().manual_seed(num_rows)
-        xs = {k: torch.randn(num_rows, k, generator=gen) for m in models for k in {lin.in_features for lin in m.linears}}
+        widths = {lin.in_features for m in models for lin in m.linears}
+        xs = {k: torch.randn(num_rows, k, generator=gen) for k in widths}
         best = [float("inf")] * len(models)
         type_best: list[dict[int, float]] = [defaultdict(lambda: float("inf")) for _ in models]
         for m in models:  # warm-up: page in the copies, start the pool's threads
             one_pass(m.linears, xs)
         for _ in range(args.repeats):
             for i, m in enumerate(models):
-                best[i] = min(best[i], one_pass(m.linears, xs))
-                for t, s in per_type_pass(kernel, m.tensors, xs).items():
+                best[i] = min(best[i], one_pass(m.linears, xs, clock))
+                for t, s in per_type_pass(kernel, m.tensors, xs, clock).items():
                     type_best[i][t] = min(type_best[i][t], s)
         per_mb = [1000 * b / (m.weight_bytes / 1e6) for b, m in zip(best, models)]
         rows.append(dict(rows=num_rows, **{f"ms_{i}": 1000 * b for i, b in enumerate(best)},
@@ -144,14 +158,16 @@ def main() -> int:
                                       ms=1000 * type_best[i][t], ms_per_mb=1000 * type_best[i][t] / (size[t] / 1e6)))
     a, b = (m.name for m in models)
     print(f"\n## decoder linears in model order, one pass (baseline {a}, mixed {b})")
-    print(format_table(["rows of x", "baseline ms", "baseline ms/MB", "mixed ms", "mixed ms/MB", "mixed vs baseline per MB"],
-                       [[r["rows"], r["ms_0"], r["ms_per_mb_0"], r["ms_1"], r["ms_per_mb_1"], r["ratio"]] for r in rows]))
+    headers = ["rows of x", "baseline ms", "baseline ms/MB", "mixed ms", "mixed ms/MB", "mixed vs baseline per MB"]
+    print(format_table(headers, [[r["rows"], r["ms_0"], r["ms_per_mb_0"], r["ms_1"], r["ms_per_mb_1"], r["ratio"]]
+                                 for r in rows]))
     print("\n## per GGML type (each tensor of the type, one kernel call each)")
     print(format_table(["rows of x", "file", "type", "MB", "ms", "ms/MB"],
                        [[r["rows"], r["model"], r["type"], r["mb"], r["ms"], r["ms_per_mb"]] for r in type_rows]))
     path = write_json(Path(args.json) if args.json else OUT_DIR / f"bench_gguf_matmul-{timestamp()}.json",
                       {"machine": info, "models": [m.name for m in models], "passes": rows, "types": type_rows,
-                       "threads": kernel.num_threads, "simd": kernel.simd, "repeats": args.repeats})
+                       "threads": kernel.num_threads, "simd": kernel.simd, "repeats": args.repeats,
+                       "clock": args.clock})
     print(f"\nwrote {path}")
     return 0
 
@@ -173,6 +189,8 @@ def parse_args() -> argparse.Namespace:
                    help="rows of x (tokens in the step), comma-separated")
     p.add_argument("--repeats", type=int, default=7, help="passes per file and row count; the best is kept")
     p.add_argument("--threads", type=int, default=0, help="kernel threads (default: torch's)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall clock, or the calling thread's CPU time (with --threads 1)")
     p.add_argument("--json", default=None, help="results file (default bench/out/bench_gguf_matmul-<time>.json)")
     return p.parse_args()
 

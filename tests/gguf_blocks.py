@@ -17,7 +17,9 @@ QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 K_QUANT_SCALES = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 
 
-def random_blocks(ggml_type: GGMLQuantizationType, rows: int, blocks: int, seed: int, scale: float = 0.05) -> np.ndarray:
+def random_blocks(
+    ggml_type: GGMLQuantizationType, rows: int, blocks: int, seed: int, scale: float = 0.05
+) -> np.ndarray:
     """[rows, blocks * block_bytes] uint8: `blocks` blocks a row, from random floats (times `scale`
     for the quantizable types) or random bytes whose fp16 scales are uniform in +-`scale`."""
     rng = np.random.default_rng(seed)

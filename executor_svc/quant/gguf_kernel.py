@@ -99,11 +99,14 @@ class GGUFKernel:
         n, row_bytes = packed.shape
         out = torch.empty(m, n, dtype=torch.float32)
         self._lib.gguf_matmul(
-            ggml_type, packed.data_ptr(), row_bytes, n, in_features, x.data_ptr(), m, self._sums(m, in_features), out.data_ptr()
+            ggml_type, packed.data_ptr(), row_bytes, n, in_features, x.data_ptr(), m, self._sums(m, in_features),
+            out.data_ptr(),
         )
         return out
 
-    def matmul_into(self, ggml_type: int, packed: torch.Tensor, in_features: int, x: torch.Tensor, out: torch.Tensor) -> None:
+    def matmul_into(
+        self, ggml_type: int, packed: torch.Tensor, in_features: int, x: torch.Tensor, out: torch.Tensor
+    ) -> None:
         """out[:] = x @ dequant(W).T, with `out` any [M, N] float32 view whose rows are contiguous
         (e.g. the columns `y[:, start:start + N]` of a merged projection's output).
 
@@ -111,9 +114,10 @@ class GGUFKernel:
         """
         m = x.shape[0]
         n, row_bytes = packed.shape
-        if out.shape != (m, n) or out.dtype != torch.float32 or (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n):
-            raise ValueError(f"out: need a float32 [{m}, {n}] view with contiguous rows, got {out.dtype} {tuple(out.shape)} "
-                             f"strides {out.stride()}")
+        rows_ok = (n == 1 or out.stride(1) == 1) and (m == 1 or out.stride(0) >= n)
+        if out.shape != (m, n) or out.dtype != torch.float32 or not rows_ok:
+            raise ValueError(f"out: need a float32 [{m}, {n}] view with contiguous rows, got {out.dtype} "
+                             f"{tuple(out.shape)} strides {out.stride()}")
         self._lib.gguf_matmul_strided(
             ggml_type, packed.data_ptr(), row_bytes, n, in_features, x.data_ptr(), m, self._sums(m, in_features),
             out.data_ptr(), max(out.stride(0), n)

@@ -100,7 +100,8 @@ def test_matmul_into_writes_its_columns_of_a_wider_output_in_place(num_rows):
     y = torch.full((num_rows, 50), float("nan"))  # 40 columns of outputs, then 10 that must stay untouched
     start = 0
     for ggml_type, packed in parts:
-        get_kernel().matmul_into(int(ggml_type), torch.from_numpy(packed), 512, x, y[:, start : start + packed.shape[0]])
+        columns = y[:, start : start + packed.shape[0]]
+        get_kernel().matmul_into(int(ggml_type), torch.from_numpy(packed), 512, x, columns)
         start += packed.shape[0]
     weight = torch.cat([torch.from_numpy(quants.dequantize(p, t)) for t, p in parts])
     assert_matmul_close(y[:, :40], x, weight)
@@ -127,7 +128,8 @@ def test_linear_segments_bias_and_both_paths(segments, num_rows, tile_rows, monk
     in_features = 512
     if tile_rows:
         monkeypatch.setattr(gguf_linear, "DEQUANT_TILE_BYTES", tile_rows * in_features * 4)
-    parts = [(t, packed_weight(t, rows, in_features // GGML_QUANT_SIZES[t][0], i)) for i, (t, rows) in enumerate(segments)]
+    parts = [(t, packed_weight(t, rows, in_features // GGML_QUANT_SIZES[t][0], i))
+             for i, (t, rows) in enumerate(segments)]
     weight = torch.cat([torch.from_numpy(quants.dequantize(p, t)) for t, p in parts])
     bias = torch.randn(weight.shape[0])
     linear = GGUFLinear(get_kernel(), in_features, [(int(t), torch.from_numpy(p)) for t, p in parts], bias)
