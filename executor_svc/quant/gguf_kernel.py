@@ -104,6 +104,18 @@ class GGUFKernel:
         )
         return out
 
+    def matmul_columns(
+        self, ggml_type: int, packed: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor, start: int
+    ) -> None:
+        """y[:, start:start + N] = x @ dequant(W).T, with y a contiguous float32 [M, width] (unchecked: the
+        lean path of merged projections at decode shapes, one C call and no view); `packed` [N, row_bytes]."""
+        n, row_bytes = packed.shape
+        m = x.shape[0]
+        self._lib.gguf_matmul_strided(
+            ggml_type, packed.data_ptr(), row_bytes, n, in_features, x.data_ptr(), m, self._sums(m, in_features),
+            y.data_ptr() + 4 * start, y.shape[1],
+        )
+
     def matmul_into(
         self, ggml_type: int, packed: torch.Tensor, in_features: int, x: torch.Tensor, out: torch.Tensor
     ) -> None:
