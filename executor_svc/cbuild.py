@@ -2,9 +2,10 @@
 
 The CPU kernels (decode attention, GGUF matmul) are plain C, no torch headers: `cc -O3
 -march=native` takes well under a second. The shared library goes to
-`~/.cache/pagoda/kernels/` (or `$PAGODA_CACHE_DIR/kernels`), keyed by the source, the flags,
-the compiler's version and this CPU's flags, so a changed source, compiler or machine builds
-anew and nothing stale is loaded. Where no compiler is found or the build fails, `load()`
+`~/.cache/pagoda/kernels/` (or `$PAGODA_CACHE_DIR/kernels`), keyed by the source (and the
+headers beside it that it includes with quotes), the flags, the compiler's version and this
+CPU's flags, so a changed source, header, compiler or machine builds anew and nothing stale is
+loaded. Where no compiler is found or the build fails, `load()`
 returns None and the caller keeps its torch path; `<env_switch>=0` turns a kernel off (for
 side-by-side runs).
 """
@@ -15,6 +16,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -51,10 +53,31 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_text(source: Path) -> str:
+    """The text the build depends on: `source`, then each local header it includes (recursively, once)."""
+    texts: list[str] = []
+    seen: set[Path] = set()
+
+    def visit(path: Path) -> None:
+        if path in seen or not path.is_file():
+            return
+        seen.add(path)
+        text = path.read_text()
+        texts.append(text)
+        for name in _LOCAL_INCLUDE.findall(text):
+            visit((path.parent / name).resolve())
+
+    visit(source.resolve())
+    return "\0".join(texts)
+
+
 def build(source: Path, cflags: tuple[str, ...], compiler: str, libs: tuple[str, ...] = ("-lm",)) -> Path:
     """The shared library of `source` in the cache (built now unless there already)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(cflags + libs), version, cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([source_text(source), " ".join(cflags + libs), version, cpu_flags()]).encode())
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

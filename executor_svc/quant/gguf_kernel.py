@@ -8,6 +8,10 @@ int8 quantizes the activations), so this is a C kernel of ours, built like the d
 attention kernel (`executor_svc.cbuild`), with its own small thread pool inside (one ctypes
 call per matmul: a Python thread hand-off per call would cost more than a small matmul).
 
+Every block type of llama.cpp's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and K-quant (Q2_K-Q6_K) families is
+fused with AVX2 + FMA + F16C (`csrc/gguf_avx2.h`); a build without them (another CPU) takes a
+portable C row path (`csrc/gguf_blocks.h`), with the same numbers up to summation order.
+
 `PAGODA_GGUF_KERNEL=0` turns it off: `GGUFLinear` then dequantizes into float32 at load.
 """
 
@@ -25,7 +29,7 @@ from executor_svc import cbuild
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gguf_matmul.c"
-CFLAGS = (*cbuild.BASE_CFLAGS, "-pthread", "-mavx2", "-mfma", "-mf16c")
+CFLAGS = (*cbuild.BASE_CFLAGS, "-pthread")  # -march=native: AVX2/FMA/F16C where this CPU has them
 ENV_SWITCH = "PAGODA_GGUF_KERNEL"
 
 I8_ROW = 1000  # the kernel's own int8 layout (not a GGML type): float32 row scale, then int8 values
@@ -34,11 +38,19 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 class GGUFKernel:
-    """Matmul and row dequantization of GGUF blocks (float32 in and out, CPU)."""
+    """Matmul and row dequantization of GGUF blocks (float32 in and out, CPU).
+
+    One caller at a time (the C side runs one job at a time on its pool, and the scratch here
+    is shared).
+    """
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
         library.gguf_matmul.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]
         library.gguf_matmul.restype = None
+        library.gguf_matmul_strided.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
+        library.gguf_matmul_strided.restype = None
+        library.gguf_block_weights.argtypes = [_int]
+        library.gguf_block_weights.restype = _i64
         library.gguf_dequantize.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr]
         library.gguf_dequantize.restype = None
         library.gguf_supported.argtypes = [_int]
@@ -46,25 +58,82 @@ class GGUFKernel:
         self._lib = library
         library.gguf_max_k.restype = _i64
         self.max_k = library.gguf_max_k()
+        self.simd = bool(library.gguf_simd())  # fused AVX2 loops (else the portable row path)
         self.num_threads = library.gguf_set_threads(max(1, num_threads))
         # one caller at a time (the C side's pool is one job at a time too), so one scratch will do
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def supports(self, ggml_type: int, in_features: int) -> bool:
-        return bool(self._lib.gguf_supported(ggml_type)) and in_features <= self.max_k and in_features % 32 == 0
+        """Whether rows of `in_features` weights of this GGML type can stay packed (whole blocks a row)."""
+        block = self._lib.gguf_block_weights(ggml_type)
+        return block > 0 and in_features % max(block, 32) == 0 and (self.simd or in_features <= self.max_k)
+
+    @staticmethod
+    def scratch_floats(num_rows: int, in_features: int) -> int:
+        """Floats of scratch a matmul of `num_rows` rows of x needs (x's block sums)."""
+        return num_rows * (in_features // 32)
+
+    @property
+    def matmul_strided_fn(self):
+        """The C entry for callers that run a whole step in C, one call per weight segment::
+
+            gguf_matmul_strided(int ggml_type, const uint8_t *w, int64 row_bytes, int64 N, int64 K,
+                                const float *x, int64 M, float *xs, float *y, int64 ldy)
+
+        y[m * ldy + n] = (x @ dequant(W).T)[m][n] for m < M, n < N: x [M][K] float32 contiguous,
+        W [N][row_bytes] packed rows, xs a scratch of `scratch_floats(M, K)` floats (overwritten),
+        y's rows ldy >= N floats apart, so each segment of a merged projection (q/k Q4_K, v Q6_K)
+        writes its columns of one output in place. One caller at a time; threads as `num_threads`.
+        """
+        return self._lib.gguf_matmul_strided
+
+    def _sums(self, num_rows: int, in_features: int) -> int:
+        floats = self.scratch_floats(num_rows, in_features)
+        if floats > self._scratch.numel():
+            self._scratch = torch.empty(floats, dtype=torch.float32)
+        return self._scratch.data_ptr()
 
     def matmul(self, ggml_type: int, packed: torch.Tensor, in_features: int, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 contiguous -> [M, N]; `packed` [N, row_bytes] uint8."""
         m = x.shape[0]
         n, row_bytes = packed.shape
         out = torch.empty(m, n, dtype=torch.float32)
-        sums = m * (in_features // 32)  # the kernel's scratch: x's block sums
-        if sums > self._scratch.numel():
-            self._scratch = torch.empty(sums, dtype=torch.float32)
         self._lib.gguf_matmul(
-            ggml_type, packed.data_ptr(), row_bytes, n, in_features, x.data_ptr(), m, self._scratch.data_ptr(), out.data_ptr()
+            ggml_type, packed.data_ptr(), row_bytes, n, in_features, x.data_ptr(), m, self._sums(m, in_features),
+            out.data_ptr(),
         )
         return out
+
+    def matmul_columns(
+        self, ggml_type: int, packed: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor, start: int
+    ) -> None:
+        """y[:, start:start + N] = x @ dequant(W).T, with y a contiguous float32 [M, width] (unchecked: the
+        lean path of merged projections at decode shapes, one C call and no view); `packed` [N, row_bytes]."""
+        n, row_bytes = packed.shape
+        m = x.shape[0]
+        self._lib.gguf_matmul_strided(
+            ggml_type, packed.data_ptr(), row_bytes, n, in_features, x.data_ptr(), m, self._sums(m, in_features),
+            y.data_ptr() + 4 * start, y.shape[1],
+        )
+
+    def matmul_into(
+        self, ggml_type: int, packed: torch.Tensor, in_features: int, x: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """out[:] = x @ dequant(W).T, with `out` any [M, N] float32 view whose rows are contiguous
+        (e.g. the columns `y[:, start:start + N]` of a merged projection's output).
+
+        x [M, K] float32 contiguous; `packed` [N, row_bytes] uint8.
+        """
+        m = x.shape[0]
+        n, row_bytes = packed.shape
+        rows_ok = (n == 1 or out.stride(1) == 1) and (m == 1 or out.stride(0) >= n)
+        if out.shape != (m, n) or out.dtype != torch.float32 or not rows_ok:
+            raise ValueError(f"out: need a float32 [{m}, {n}] view with contiguous rows, got {out.dtype} "
+                             f"{tuple(out.shape)} strides {out.stride()}")
+        self._lib.gguf_matmul_strided(
+            ggml_type, packed.data_ptr(), row_bytes, n, in_features, x.data_ptr(), m, self._sums(m, in_features),
+            out.data_ptr(), max(out.stride(0), n)
+        )
 
     def dequantize(
         self, ggml_type: int, packed: torch.Tensor, in_features: int, rows: torch.Tensor | None = None,

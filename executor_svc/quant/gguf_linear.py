@@ -3,7 +3,7 @@
 A `GGUFLinear` holds its weight as one or more row segments, each a uint8 tensor
 [rows, row_bytes] of one GGML block type (a merged q/k/v projection whose parts were
 quantized to different types keeps three segments). Per call it picks by the number of
-rows of x, as measured on this machine (`bench/bench_gguf_matmul.py`):
+rows of x, as measured on this machine (the note of #18):
 
 - few rows (decode steps): the fused kernel, which reads each block once and never
   writes a float32 weight;
@@ -74,26 +74,30 @@ class GGUFLinear(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            len(self.types) == 1 and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS and x.dtype == torch.float32
-            and x.is_contiguous()
-        ):
-            # a decode step's shape: one kernel call and nothing else (each torch op or list built
-            # here costs about a microsecond, against 20-60 us for the call at one row)
-            y = self.kernel.matmul(self.types[0], self.packed0, self.in_features, x)
-            if self.bias is not None:
-                y += self.bias
-            return y
+        if x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS and x.dtype == torch.float32 and x.is_contiguous():
+            return self._fused(x)  # a decode step's shape: no reshape, no copy
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).float().contiguous()
-        if x.shape[0] > FUSED_MAX_ROWS:
-            y = self._dequantized_gemm(x)
-        else:
-            parts = [self.kernel.matmul(t, p, self.in_features, x) for t, p in self.segments]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-            if self.bias is not None:
-                y += self.bias
+        y = self._dequantized_gemm(x) if x.shape[0] > FUSED_MAX_ROWS else self._fused(x)
         return y.reshape(*lead, self.out_features)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous through the fused kernel: one C call a segment and nothing else
+        (each torch op or list built here costs about a microsecond, against 20-60 us for the call
+        at one row); the segments of a merged projection (q/k Q4_K, v Q6_K) write their columns of
+        y in place."""
+        if len(self.types) == 1:
+            y = self.kernel.matmul(self.types[0], self.packed0, self.in_features, x)
+        else:
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+            start = 0
+            for i, ggml_type in enumerate(self.types):
+                packed = getattr(self, f"packed{i}")
+                self.kernel.matmul_columns(ggml_type, packed, self.in_features, x, y, start)
+                start += packed.shape[0]
+        if self.bias is not None:
+            y += self.bias
+        return y
 
     def _dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T with W dequantized a tile of rows at a time into one reused buffer.

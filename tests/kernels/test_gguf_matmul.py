@@ -1,88 +1,147 @@
-"""The GGUF kernel against the `gguf` package's own dequantization, every supported block type, odd shapes."""
+"""The GGUF kernel against the `gguf` package's own dequantization, every supported block type, odd shapes.
+
+Blocks come from `tests.gguf_blocks` (K-quants: random bytes with finite scales). The portable C
+build (no AVX2) is checked the same way.
+"""
 
 from __future__ import annotations
+
+import ctypes
+import platform
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from executor_svc.quant import gguf_linear
-from executor_svc.quant.gguf_kernel import get_kernel
+from executor_svc import cbuild
+from executor_svc.quant import gguf_kernel, gguf_linear
+from executor_svc.quant.gguf_kernel import GGUFKernel, get_kernel
 from executor_svc.quant.gguf_linear import GGUFLinear
+from tests.gguf_blocks import K_QUANT_SCALES, QUANTIZABLE, T, assert_matmul_close, random_blocks
 
-T = GGMLQuantizationType
-SIMPLE = (T.Q4_0, T.Q4_1, T.Q8_0)  # the gguf package can quantize these
-K_QUANTS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # byte offsets of each block's fp16 scales
+TYPES = [*QUANTIZABLE, *K_QUANT_SCALES]
 
 pytestmark = pytest.mark.skipif(get_kernel() is None, reason="no C compiler: the GGUF kernel is not built")
 
 
 def packed_weight(ggml_type: GGMLQuantizationType, rows: int, blocks: int, seed: int) -> np.ndarray:
-    """[rows, row_bytes] blocks: quantized from random floats, or (K-quants) random bytes with sane scales."""
-    rng = np.random.default_rng(seed)
-    block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
-    if ggml_type in SIMPLE:
-        return quants.quantize(rng.standard_normal((rows, blocks * block_weights)).astype(np.float32), ggml_type)
-    data = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
-    for offset in K_QUANTS[ggml_type]:
-        scales = rng.uniform(-0.05, 0.05, (rows, blocks)).astype(np.float16)
-        data[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, blocks, 2)
-    return data.reshape(rows, blocks * block_bytes)
+    """Quantized from standard-normal floats, or (K-quants) random bytes with scales in +-0.05."""
+    return random_blocks(ggml_type, rows, blocks, seed, scale=1.0 if ggml_type in QUANTIZABLE else 0.05)
 
 
-TYPES = [*SIMPLE, *K_QUANTS]
-SHAPES = [(1, 1), (37, 3), (129, 5)]  # (rows of W, blocks a row): odd, not a multiple of the 8-row chunks
+@pytest.fixture(scope="module")
+def portable_kernel() -> GGUFKernel:
+    """The kernel built without AVX2/FMA/F16C: the portable C path another CPU would take."""
+    flags = [f for f in gguf_kernel.CFLAGS if f != "-march=native"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-mno-avx2", "-mno-fma", "-mno-f16c"]
+    library = ctypes.CDLL(str(cbuild.build(gguf_kernel.SOURCE, tuple(flags), cbuild.find_compiler())))
+    kernel = GGUFKernel(library, 2)
+    assert not kernel.simd
+    return kernel
 
 
+def kernels(portable: bool, request) -> GGUFKernel:
+    return request.getfixturevalue("portable_kernel") if portable else get_kernel()
+
+
+# (rows of W, blocks a row): odd, not multiples of the 8-row chunks; 11 blocks of 32 weights is
+# one group of 256 and a partial one
+SHAPES = [(1, 1), (37, 3), (9, 11), (129, 5)]
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_dequantize_equals_gguf(ggml_type, shape):
+def test_dequantize_equals_gguf_to_the_bit(ggml_type, shape, portable, request):
     rows, blocks = shape
     packed = packed_weight(ggml_type, rows, blocks, seed=rows)
     expected = quants.dequantize(packed, ggml_type)
-    kernel = get_kernel()
+    kernel = kernels(portable, request)
     got = kernel.dequantize(int(ggml_type), torch.from_numpy(packed), expected.shape[1])
-    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(got.numpy(), expected)
     picked = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
     got_rows = kernel.dequantize(int(ggml_type), torch.from_numpy(packed), expected.shape[1], picked)
     np.testing.assert_array_equal(got_rows.numpy(), got.numpy()[picked.numpy()])
 
 
+# 1-4: tiles of 1-4 rows; 8: two tiles of 4; 9, 20, 64, 65: tiles of 8 rows, then the rest
+NUM_ROWS = [1, 2, 3, 4, 5, 8, 9, 20, 64, 65]
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 9, 20])  # 9, 20: tiles of 8 rows, then the rest
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
+@pytest.mark.parametrize("num_rows", NUM_ROWS)
 def test_matmul_equals_dequantized_weight(ggml_type, shape, num_rows):
-    """x @ W.T through the fused kernel, every row-tile size, within float32 summation-order error."""
+    """x @ W.T through the fused kernel, every row-tile size."""
     rows, blocks = shape
     packed = packed_weight(ggml_type, rows, blocks, seed=rows + 1)
     weight = torch.from_numpy(quants.dequantize(packed, ggml_type))
     x = torch.randn(num_rows, weight.shape[1], generator=torch.Generator().manual_seed(num_rows))
-    got = get_kernel().matmul(int(ggml_type), torch.from_numpy(packed), weight.shape[1], x)
-    expected = (x.double() @ weight.double().T).float()
-    scale = (x.abs().double() @ weight.abs().double().T).float()  # the error bound grows with sum |x w|
-    assert torch.all((got - expected).abs() <= 1e-5 * scale + 1e-6)
+    assert_matmul_close(get_kernel().matmul(int(ggml_type), torch.from_numpy(packed), weight.shape[1], x), x, weight)
 
 
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_rows", [1, 3, 9])
+def test_portable_matmul_equals_dequantized_weight(ggml_type, num_rows, portable_kernel):
+    packed = packed_weight(ggml_type, 37, 3, seed=5)
+    weight = torch.from_numpy(quants.dequantize(packed, ggml_type))
+    x = torch.randn(num_rows, weight.shape[1])
+    assert_matmul_close(portable_kernel.matmul(int(ggml_type), torch.from_numpy(packed), weight.shape[1], x), x, weight)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 5, 9, 20])
+def test_matmul_into_writes_its_columns_of_a_wider_output_in_place(num_rows):
+    """A merged q/k/v whose parts have different types: each segment into its columns of one y, nothing else touched."""
+    parts = [(T.Q4_K, packed_weight(T.Q4_K, 24, 2, 1)), (T.Q6_K, packed_weight(T.Q6_K, 8, 2, 2)),
+             (T.Q5_0, packed_weight(T.Q5_0, 8, 16, 3))]
+    x = torch.randn(num_rows, 512)
+    y = torch.full((num_rows, 50), float("nan"))  # 40 columns of outputs, then 10 that must stay untouched
+    start = 0
+    for ggml_type, packed in parts:
+        columns = y[:, start : start + packed.shape[0]]
+        get_kernel().matmul_into(int(ggml_type), torch.from_numpy(packed), 512, x, columns)
+        start += packed.shape[0]
+    weight = torch.cat([torch.from_numpy(quants.dequantize(p, t)) for t, p in parts])
+    assert_matmul_close(y[:, :40], x, weight)
+    assert torch.isnan(y[:, 40:]).all()
+
+
+def test_matmul_into_refuses_an_output_whose_rows_are_not_contiguous():
+    packed = torch.from_numpy(packed_weight(T.Q4_K, 8, 1, 0))
+    with pytest.raises(ValueError, match="out: need a float32"):
+        get_kernel().matmul_into(int(T.Q4_K), packed, 256, torch.randn(3, 256), torch.empty(8, 3).t())
+
+
+SEGMENTS = {
+    "q4_1-q8_0-q4_0": [(T.Q4_1, 16), (T.Q8_0, 8), (T.Q4_0, 8)],
+    "q4_k-q6_k": [(T.Q4_K, 24), (T.Q6_K, 8)],  # a Q4_K_M q/k/v: q and k in Q4_K, v in Q6_K
+}
+
+
+@pytest.mark.parametrize("segments", SEGMENTS.values(), ids=SEGMENTS.keys())
 @pytest.mark.parametrize("tile_rows", [None, 5], ids=["whole-segments", "tiles-of-5-rows"])
-@pytest.mark.parametrize("num_rows", [1, gguf_linear.FUSED_MAX_ROWS + 3])
-def test_linear_segments_bias_and_both_paths(num_rows, tile_rows, monkeypatch):
+@pytest.mark.parametrize("num_rows", [1, 9, gguf_linear.FUSED_MAX_ROWS + 3])
+def test_linear_segments_bias_and_both_paths(segments, num_rows, tile_rows, monkeypatch):
     """Parts of different types in one module (q/k/v), a bias, the fused path and dequantize + GEMM (by tiles)."""
+    in_features = 512
     if tile_rows:
-        monkeypatch.setattr(gguf_linear, "DEQUANT_TILE_BYTES", tile_rows * 128 * 4)
-    parts = [packed_weight(T.Q4_1, 16, 4, 1), packed_weight(T.Q8_0, 8, 4, 2), packed_weight(T.Q4_0, 8, 4, 3)]
-    kinds = [T.Q4_1, T.Q8_0, T.Q4_0]
-    weight = torch.cat([torch.from_numpy(quants.dequantize(p, t)) for p, t in zip(parts, kinds)])
-    bias = torch.randn(32)
-    linear = GGUFLinear(get_kernel(), 128, [(int(t), torch.from_numpy(p)) for p, t in zip(parts, kinds)], bias)
-    x = torch.randn(num_rows, 128)
-    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(gguf_linear, "DEQUANT_TILE_BYTES", tile_rows * in_features * 4)
+    parts = [(t, packed_weight(t, rows, in_features // GGML_QUANT_SIZES[t][0], i))
+             for i, (t, rows) in enumerate(segments)]
+    weight = torch.cat([torch.from_numpy(quants.dequantize(p, t)) for t, p in parts])
+    bias = torch.randn(weight.shape[0])
+    linear = GGUFLinear(get_kernel(), in_features, [(int(t), torch.from_numpy(p)) for t, p in parts], bias)
+    x = torch.randn(num_rows, in_features)
+    assert_matmul_close(linear(x) - bias, x, weight)
     assert torch.equal(linear.dequantize(), weight)
 
 
 def test_unsupported_shapes_and_types_are_refused():
     kernel = get_kernel()
-    assert not kernel.supports(int(T.Q5_0), 256)  # no kernel: the loader dequantizes such tensors
-    assert not kernel.supports(int(T.F16), 256)
-    assert not kernel.supports(int(T.Q4_0), kernel.max_k + 32)
-    assert kernel.supports(int(T.Q4_K), 512)
+    assert not kernel.supports(int(T.F16), 256)  # float tensors: the loader makes float32 parameters of them
+    assert not kernel.supports(int(T.IQ4_XS), 256)  # no kernel: the loader dequantizes such tensors
+    assert not kernel.supports(int(T.Q4_K), 128)  # rows of whole 256-weight blocks only
+    assert not kernel.supports(int(T.Q5_0), 48)
+    assert all(kernel.supports(int(t), 512) for t in TYPES)
