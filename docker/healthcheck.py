@@ -2,8 +2,9 @@
 gateway's /health answers 200), else 1.
 
 Usage: python docker/healthcheck.py [HOST:PORT] [--service NAME] [--timeout SECONDS] [--http]
-Defaults: the local service at PAGODA_HOST/PAGODA_PORT (0.0.0.0 and :: are probed as
-127.0.0.1), service "pagoda.v1.Generation" (SERVING once an executor is registered).
+Defaults: the local service at PAGODA_HOST and PAGODA_PORT, with --http PAGODA_GATEWAY_PORT
+(0.0.0.0 and :: are probed as 127.0.0.1), service "pagoda.v1.Generation" (SERVING once an
+executor is registered).
 Only grpcio and grpcio-health-checking are needed: no grpc_health_probe binary.
 """
 
@@ -19,11 +20,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def default_target() -> str:
+def default_target(http: bool) -> str:
     host = os.environ.get("PAGODA_HOST", "127.0.0.1")
     if host in ("", "0.0.0.0", "::", "[::]"):
         host = "127.0.0.1"
-    return f"{host}:{os.environ.get('PAGODA_PORT', '50051')}"
+    port = os.environ.get("PAGODA_GATEWAY_PORT", "8000") if http else os.environ.get("PAGODA_PORT", "50051")
+    return f"{host}:{port}"
 
 
 def http_check(url: str, timeout: float) -> int:
@@ -38,11 +40,12 @@ def http_check(url: str, timeout: float) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", nargs="?", default=default_target())
+    parser.add_argument("target", nargs="?")
     parser.add_argument("--service", default=os.environ.get("PAGODA_HEALTH_SERVICE", "pagoda.v1.Generation"))
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--http", action="store_true", help="probe http://HOST:PORT/health (the gateway)")
     args = parser.parse_args()
+    args.target = args.target or default_target(args.http)
     if args.http:
         return http_check(f"http://{args.target}/health", args.timeout)
     with grpc.insecure_channel(args.target) as channel:
