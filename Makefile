@@ -37,7 +37,7 @@ test: setup compose-tools
 	$(BIN)/python -m pytest
 
 test-fast: setup
-	$(BIN)/python -m pytest $(FAST_TESTS)
+	$(BIN)/python -m pytest -m "not slow" $(FAST_TESTS)
 
 # docker-compose v1.29 (its own venv) and the compose v2 binary, for tests/deploy/test_compose.py
 # (no docker daemon needed).
