@@ -8,21 +8,16 @@ inputs gave a 500; a completion of 3,000 prompts opened 3,000 streams.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 import time
-from concurrent import futures
 
-import grpc
 import httpx2 as httpx
 import pytest
 
 from gateway_svc import schemas
-from pagoda.v1 import generation_pb2_grpc as pb_grpc
-from tests.client.keyed_server import KEY, KeyedServicer
+from tests.client.keyed_server import KEY, KeyedServicer, insecure_keyed_server
 from tests.gateway.gateway import Gateway
-from tests.service.harness import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,23 +35,10 @@ class CountingServicer(KeyedServicer):
         yield from super().Generate(request, context)
 
 
-@contextlib.contextmanager
-def counting_keyed_server():
-    servicer = CountingServicer()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}", servicer
-    finally:
-        server.stop(0)
-
-
 @pytest.fixture(scope="module")
 def stack():
-    with counting_keyed_server() as (target, servicer), \
-            Gateway(target, ["--max-request-bytes", str(LIMIT)]) as gateway:
+    servicer = CountingServicer()
+    with insecure_keyed_server(servicer) as target, Gateway(target, ["--max-request-bytes", str(LIMIT)]) as gateway:
         yield gateway, servicer
 
 
