@@ -214,3 +214,16 @@ def test_the_port_reads_pagoda_gateway_port_not_the_schedulers_variable(monkeypa
     assert parse_args([]).port == 8000
     monkeypatch.setenv("PAGODA_GATEWAY_PORT", "8123")
     assert parse_args([]).port == 8123
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * 100_000,                            # nested past Python's recursion limit
+    b'{"max_tokens": ' + b"9" * 5000 + b"}",   # an integer past Python's 4,300 digits
+    b"\xff\xfe\x00{",                          # not UTF-8
+    b"[]",                                     # JSON, but not an object
+])
+def test_bodies_the_json_parser_chokes_on_are_400(stack, body):
+    gateway, _ = stack
+    reply = httpx.post(f"{gateway.url}/v1/chat/completions", content=body, headers=AUTH, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["type"] == "invalid_request_error"
