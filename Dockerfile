@@ -64,6 +64,10 @@ RUN set -eu; \
 # ---------------------------------------------------------------------------------------------
 # build: the virtual environment in /opt/venv (dependencies, then the default model).
 FROM base AS build
+# The legacy builder keeps this stage's result as an untagged image (2.8 GB for the CPU variant);
+# docker/build_images.sh removes it by this label after the build (PAGODA_KEEP_BUILD_STAGE=1 keeps it
+# as the cache of the next build).
+LABEL ai.pagoda.stage=build
 ARG VARIANT=cpu
 ARG PAGODA_PIP_INDEX_URL=
 ARG PAGODA_PIP_EXTRA_INDEX_URL=

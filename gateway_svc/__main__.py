@@ -1,4 +1,5 @@
-"""python -m gateway_svc: an OpenAI-compatible HTTP API in front of a Pagoda scheduler (see --help)."""
+"""python -m gateway_svc: an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+/v1/models) in front of a Pagoda scheduler's gRPC API. Every flag also reads its PAGODA_* variable."""
 
 from __future__ import annotations
 
@@ -7,27 +8,34 @@ import logging
 
 import uvicorn
 
-from gateway_svc.app import create_app
+from gateway_svc.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from pagoda.cli import add_flag
 from pagoda.client import AsyncClient
 from pagoda.client.flags import add_connection_flags, client_options
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gateway_svc", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m gateway_svc", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_flag(p, "--host", default="127.0.0.1", help="HTTP bind address")
-    add_flag(p, "--port", type=int, default=8000, help="HTTP port")
-    add_flag(p, "--request-timeout", type=float, default=None, help="deadline of one request in seconds (default none)")
+    # Its own variable: PAGODA_PORT is the scheduler's gRPC port, often set in the same shell.
+    add_flag(p, "--port", type=int, default=8000, env="PAGODA_GATEWAY_PORT", help="HTTP port")
+    add_flag(p, "--request-timeout", type=float, default=None, help="deadline of one request in seconds (none: no deadline)")
+    add_flag(p, "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+             help="largest request body (413 past it); the scheduler's flag of the same name and default")
     add_flag(p, "--log-level", default="INFO")
     add_connection_flags(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_request_bytes < 1:
+        p.error(f"--max-request-bytes: must be positive, got {args.max_request_bytes}")
+    return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     client = AsyncClient(**client_options(args), timeout=args.request_timeout)
-    app = create_app(client)
+    app = create_app(client, max_request_bytes=args.max_request_bytes)
     logging.getLogger("gateway_svc").info("OpenAI API on http://%s:%d/v1 -> %s", args.host, args.port,
                                           ",".join(client.targets))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

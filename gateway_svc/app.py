@@ -1,7 +1,9 @@
 """The FastAPI app: OpenAI's endpoints over one `AsyncClient`, plus /health and /metrics.
 
 A caller's `Authorization: Bearer <key>` is passed through to the scheduler as the gRPC
-call's key, so the scheduler's `--api-key` decides who may call. A caller that goes away
+call's key, so the scheduler's `--api-key` decides who may call; `admission.Admission` checks
+it before the body is read and bounds the body. Routes parse the body themselves, so every
+problem with it is a 400 in OpenAI's shape naming the field (`schemas`). A caller that goes away
 cancels its gRPC streams (streamed: when the next event cannot be sent; not streamed: the
 gateway watches the connection while it waits), which aborts the requests on the scheduler.
 """
@@ -18,8 +20,10 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
-from gateway_svc.errors import GatewayError, validation_error
+from gateway_svc.admission import Admission, KeyVerdicts, bearer_key
+from gateway_svc.errors import GatewayError, invalid_json, validation_error
 from gateway_svc.metrics import GatewayMetrics
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest
 from gateway_svc.translate import (
@@ -39,12 +43,39 @@ from pagoda.client import AsyncClient, AsyncStream, Chunk, PagodaError
 log = logging.getLogger("gateway_svc")
 
 _DISCONNECT_POLL_S = 0.25
+# gRPC's default receive limit, the scheduler's --max-request-bytes default.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    scheme, _, key = auth.partition(" ")
-    return key.strip() or None if scheme.lower() == "bearer" else None
+    return bearer_key(request.scope)  # checked by Admission: printable ASCII
+
+
+def _is_chat(request: Request) -> bool:
+    return request.url.path.endswith("/chat/completions")
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    """The request body as `model`; a body that is not JSON, or not a valid `model`, is a 400
+    naming the position or the field, and a field not supported yet is a 400 naming it."""
+    try:
+        data = json.loads(await request.body())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+        raise invalid_json(exc) from None
+    except RecursionError:
+        raise GatewayError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+    if field := body.unsupported():
+        raise GatewayError(400, f"{field}: not supported by this server yet", param=field, code="unsupported_parameter")
+    return body
+
+
+def _user(body) -> str:
+    """`user` for the log: quoted (no raw newlines or escape codes) and at most 64 characters."""
+    return repr(body.user[:64]) if body.user else "-"
 
 
 def _sse(obj: dict | str) -> str:
@@ -121,10 +152,11 @@ class ModelName:
         return name
 
 
-def create_app(client: AsyncClient) -> FastAPI:
+def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="Pagoda OpenAI-compatible gateway", docs_url=None, redoc_url=None)
     metrics = GatewayMetrics()
-    app.add_middleware(metrics.middleware)
+    app.add_middleware(Admission, verdicts=KeyVerdicts(client), max_request_bytes=max_request_bytes)
+    app.add_middleware(metrics.middleware)  # outermost: counts the 401s and 413s too
     model = ModelName(client)
 
     @app.exception_handler(GatewayError)
@@ -133,7 +165,7 @@ def create_app(client: AsyncClient) -> FastAPI:
 
     @app.exception_handler(PagodaError)
     async def _pagoda_error(request, exc: PagodaError):
-        return GatewayError.from_pagoda(exc).response()
+        return GatewayError.from_pagoda(exc, chat=_is_chat(request)).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -155,14 +187,15 @@ def create_app(client: AsyncClient) -> FastAPI:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pagoda"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
         key = _bearer(request)
         name = await model.check(body.model, key)
         params = completion_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [client.generate(p, params, request_id=f"{rid}-{i}", api_key=key)
                    for i, p in enumerate(completion_prompts(body))]
-        log.info("%s: %d prompt(s), n=%d, user=%s", rid, len(streams), body.n, body.user)
+        log.info("%s: %d prompt(s), n=%d, user=%s", rid, len(streams), body.n, _user(body))
         created = int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": name}
         logprobs = body.logprobs is not None
@@ -179,7 +212,7 @@ def create_app(client: AsyncClient) -> FastAPI:
                 offsets[index] = offsets.get(index, 0) + len(chunk.text)
                 return {**head, "choices": [choice]}
 
-            return await _event_stream(streams, event, head, body.include_usage)
+            return await _event_stream(streams, event, head, body.include_usage, chat=False)
 
         async def collect() -> dict:
             choices: dict[int, Choice] = {}
@@ -194,13 +227,14 @@ def create_app(client: AsyncClient) -> FastAPI:
         return await _until_disconnected(request, collect())
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
         key = _bearer(request)
         name = await model.check(body.model, key)
         params = chat_params(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = client.chat(chat_messages(body), params, request_id=rid, api_key=key)
-        log.info("%s: %d message(s), n=%d, user=%s", rid, len(body.messages), body.n, body.user)
+        log.info("%s: %d message(s), n=%d, user=%s", rid, len(body.messages), body.n, _user(body))
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": name}
 
         if body.stream:
@@ -218,7 +252,7 @@ def create_app(client: AsyncClient) -> FastAPI:
                     choice["logprobs"] = chat_logprobs(token_entries(chunk))
                 return {**chunk_head, "choices": [choice]}
 
-            return await _event_stream([stream], event, chunk_head, body.include_usage)
+            return await _event_stream([stream], event, chunk_head, body.include_usage, chat=True)
 
         async def collect() -> dict:
             choices: dict[int, Choice] = {}
@@ -235,7 +269,7 @@ def create_app(client: AsyncClient) -> FastAPI:
     return app
 
 
-async def _event_stream(streams: list[AsyncStream], event, head: dict, include_usage: bool) -> Response:
+async def _event_stream(streams: list[AsyncStream], event, head: dict, include_usage: bool, chat: bool) -> Response:
     """An SSE response; an error before the first chunk is an ordinary error response (with
     its HTTP status), one after it an `error` event, as OpenAI's clients expect."""
     chunks = _merged(streams)
@@ -253,7 +287,7 @@ async def _event_stream(streams: list[AsyncStream], event, head: dict, include_u
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": usage_json([s.usage for s in streams])})
         except PagodaError as exc:
-            yield _sse(GatewayError.from_pagoda(exc).body())
+            yield _sse(GatewayError.from_pagoda(exc, chat=chat).body())
         finally:
             await chunks.aclose()
         yield _sse("[DONE]")

@@ -1,7 +1,14 @@
 """Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with the
-HTTP status OpenAI's clients expect (their typed exceptions are chosen by it)."""
+HTTP status OpenAI's clients expect (their typed exceptions are chosen by it).
+
+`param` is always OpenAI's name of the field: a check of the scheduler names the gRPC field
+(`sampling.logit_bias[7]: ...`), which is rewritten to the request's own (`logit_bias: ...`).
+"""
 
 from __future__ import annotations
+
+import json
+import re
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -20,6 +27,46 @@ _BY_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 
+# gRPC field (the scheduler's check) -> the OpenAI request field it came from.
+_OPENAI_FIELD = {
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.top_k": "top_k",
+    "sampling.min_p": "min_p",
+    "sampling.seed": "seed",
+    "sampling.n": "n",
+    "sampling.presence_penalty": "presence_penalty",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.repetition_penalty": "repetition_penalty",
+    "sampling.logit_bias": "logit_bias",
+    "stopping.max_tokens": "max_tokens",
+    "stopping.min_tokens": "min_tokens",
+    "stopping.stop": "stop",
+    "stopping.ignore_eos": "ignore_eos",
+    "prompt.text": "prompt",
+    "prompt.token_ids": "prompt",
+    "prompt.chat": "messages",
+    "prompt": "prompt",
+}
+_CHAT_FIELD = {"prompt": "messages", "response.top_logprobs": "top_logprobs"}
+_COMPLETION_FIELD = {"response.top_logprobs": "logprobs"}
+_GRPC_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*)((?:\[[^\]]*\]|\.[a-z_]+)*)$")
+
+
+def openai_field(grpc_field: str, chat: bool) -> str | None:
+    """`sampling.logit_bias[7]` -> `logit_bias`; `prompt.chat.messages[2].content` -> `messages`
+    (chat); None for a field that has no OpenAI name."""
+    match = _GRPC_FIELD.match(grpc_field)
+    if not match:
+        return None
+    path = match.group(1)
+    while path:
+        name = (_CHAT_FIELD if chat else _COMPLETION_FIELD).get(path) or _OPENAI_FIELD.get(path)
+        if name:
+            return "messages" if chat and name == "prompt" else name
+        path = path.rpartition(".")[0]
+    return None
+
 
 class GatewayError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
@@ -28,12 +75,16 @@ class GatewayError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     @classmethod
-    def from_pagoda(cls, err: PagodaError) -> GatewayError:
+    def from_pagoda(cls, err: PagodaError, chat: bool = False) -> GatewayError:
         status, kind = _BY_STATUS.get(err.code, (500, "internal_error"))
+        message, param = err.details, None
         # The scheduler names the field first: "sampling.top_p: must be in (0, 1], got 1.5".
-        field, sep, _ = err.details.partition(":")
-        param = field if sep and " " not in field else None
-        return cls(status, err.details, kind, param, err.code.name.lower())
+        field, sep, rest = err.details.partition(": ")
+        if sep and " " not in field:
+            param = openai_field(field, chat)
+            if param:
+                message = f"{param}: {rest}"
+        return cls(status, message, kind, param, err.code.name.lower())
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -42,9 +93,41 @@ class GatewayError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"request body larger than {limit} bytes (the gateway's --max-request-bytes)",
+                        code="request_too_large")
+
+
+def invalid_json(exc: ValueError) -> GatewayError:
+    """A body that is not JSON: the parser's reason and where (OpenAI answers 400 here too)."""
+    if isinstance(exc, json.JSONDecodeError):
+        where = f" at line {exc.lineno} column {exc.colno} (byte {exc.pos})"
+        return GatewayError(400, f"request body is not valid JSON: {exc.msg}{where}", code="invalid_json")
+    return GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json")
+
+
+def _param(loc: tuple) -> str | None:
+    """OpenAI's name for a pydantic error location: the top-level field, or `messages.<i>.<field>`.
+    Pydantic's union-member tags (`function-after[...]`, `list[int]`, `[key]`) are left out."""
+    parts = [str(p) for p in loc if p != "body" and not re.search(r"[\[\](),-]", str(p))]
+    if not parts:
+        return None
+    if parts[0] == "messages" and len(parts) >= 3 and parts[1].isdigit():
+        return ".".join(parts[:3])
+    return parts[0]
+
+
 def validation_error(errors: list[dict]) -> GatewayError:
-    """A FastAPI RequestValidationError's first problem, naming the field."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    return GatewayError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
+    """A pydantic ValidationError's most telling problem, naming the field. Of a union's several
+    errors (one per member type), one that is not a mere type mismatch is the one to show."""
+    if not errors:
+        return GatewayError(400, "invalid request")
+    telling = [e for e in errors if not e["type"].endswith(("_type", "_parsing"))]
+    first = (telling or errors)[0]
+    loc = tuple(first.get("loc", ()))
+    if first["type"] == "extra_forbidden":
+        name = ".".join(str(p) for p in loc if p != "body")
+        return GatewayError(400, f"Unrecognized request argument supplied: {name}", param=name)
+    param = _param(loc)
+    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    return GatewayError(400, f"{param}: {msg}" if param else msg, param=param)

@@ -1,4 +1,14 @@
-"""OpenAI request bodies as pydantic models (FastAPI validates them; unknown fields are ignored).
+"""OpenAI request bodies as pydantic models, bounded so that every malformed input is a 400 naming
+its field before any gRPC call (nothing reaches the scheduler that its protobuf cannot hold).
+
+- An unknown field is refused (400 `Unrecognized request argument supplied: <name>`, as OpenAI
+  answers). OpenAI fields this server parses but does not implement yet are listed once, in
+  `NOT_SUPPORTED_YET`: set to anything but null / empty they are a 400 naming the field.
+- Lists are bounded (`messages`, a completion's prompts, `stop`, `logit_bias`), every integer
+  is in its protobuf type's range, floats are finite, and strings are valid Unicode (a lone
+  surrogate such as "\\ud800" is refused).
+- The limits that the scheduler also checks are its own (`scheduler_svc/validation.py`;
+  tests/gateway/test_gateway_limits.py keeps them equal).
 
 Beside OpenAI's fields, vLLM's common extras are accepted: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`.
@@ -6,32 +16,98 @@ Beside OpenAI's fields, vLLM's common extras are accepted: `top_k`, `min_p`,
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated, Any, ClassVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+UINT32_MAX = (1 << 32) - 1
+INT32_MAX = (1 << 31) - 1
+MAX_N = 16  # = scheduler_svc.validation.MAX_N
+MAX_TOP_LOGPROBS = 20  # = scheduler_svc.validation.MAX_TOP_LOGPROBS
+MAX_STOP_STRINGS = 16  # = scheduler_svc.validation.MAX_STOP_STRINGS
+MAX_LOGIT_BIAS_ENTRIES = 1024  # = scheduler_svc.validation.MAX_LOGIT_BIAS_ENTRIES
+MAX_ABS_LOGIT_BIAS = 100.0  # = scheduler_svc.validation.MAX_ABS_LOGIT_BIAS
+MAX_MESSAGES = 2048
+# Prompts of one /v1/completions body: each is its own gRPC stream (times n samples inside it).
+MAX_PROMPTS = 64
+
+# OpenAI fields accepted but not implemented yet: a request that sets one (to anything but null,
+# empty or "none") gets 400 naming it. Structured output is to move `response_format`, `tools` and
+# `tool_choice` out of here (and into the models below).
+NOT_SUPPORTED_YET = ("response_format", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+NOT_SUPPORTED_YET_IN_MESSAGES = ("tool_calls", "tool_call_id")
+_UNSET = (None, [], {}, "none")
 
 
-class StreamOptions(BaseModel):
+def _unicode(text: str) -> str:
+    """Only text that UTF-8 can encode (protobuf strings must): no lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode text ({exc.reason} at character {exc.start})") from None
+    return text
+
+
+def _token_id_key(key: str) -> str:
+    if not (key.isascii() and key.isdigit() and int(key) <= UINT32_MAX):
+        raise ValueError(f"keys must be token ids (integers in [0, {UINT32_MAX}]), got {key[:32]!r}")
+    return key
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+Bias = Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS, allow_inf_nan=False)]
+BiasKey = Annotated[str, AfterValidator(_token_id_key)]
+
+
+class _Strict(BaseModel):
+    """Unknown fields are refused; those in `_not_yet` are set aside, and `unsupported()` names
+    the first one set."""
+
+    model_config = ConfigDict(extra="forbid")
+    _not_yet: ClassVar[tuple[str, ...]] = ()
+    _set_aside: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _set_aside_not_yet(cls, data, handler):
+        held = {}
+        if isinstance(data, dict) and cls._not_yet:
+            held = {k: data[k] for k in cls._not_yet if k in data}
+            data = {k: v for k, v in data.items() if k not in held}
+        model = handler(data)
+        model._set_aside = held
+        return model
+
+    def unsupported(self) -> str | None:
+        return next((k for k, v in self._set_aside.items() if v not in _UNSET), None)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Sampling(_Strict):
+    _not_yet = NOT_SUPPORTED_YET
 
-    model: str | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=16)
+    model: Text | None = None
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)  # int64 or uint64
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[BiasKey, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    user: Text | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Count | None = None
     ignore_eos: bool = False
 
     @property
@@ -40,24 +116,41 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: (Text | list[TokenId] | Annotated[list[Text], Field(max_length=MAX_PROMPTS)]
+             | Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)])
+    max_tokens: int | None = Field(16, ge=1, le=UINT32_MAX)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: Text | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(BaseModel):
+    """A part of a message's content; only `text` parts are supported (others are a 400)."""
 
-    role: str
-    content: str | list[dict] | None = None
+    model_config = ConfigDict(extra="allow")
+
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(_Strict):
+    _not_yet = NOT_SUPPORTED_YET_IN_MESSAGES
+
+    role: Text
+    content: Text | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] | None = None
+    name: Text | None = None  # accepted; chat templates do not use it
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def unsupported(self) -> str | None:
+        for i, m in enumerate(self.messages):
+            if field := m.unsupported():
+                return f"messages.{i}.{field}"
+        return super().unsupported()

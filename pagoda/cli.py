@@ -26,9 +26,11 @@ def _env_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def add_flag(parser: argparse.ArgumentParser, flag: str, *, type=str, default=None, help="", **kw) -> None:
-    """Add `flag` whose default comes from its PAGODA_* variable when that is set."""
-    env = env_name(flag)
+def add_flag(parser: argparse.ArgumentParser, flag: str, *, type=str, default=None, help="", env: str | None = None,
+             **kw) -> None:
+    """Add `flag` whose default comes from its PAGODA_* variable (`env`, else from the flag's
+    name) when that is set."""
+    env = env or env_name(flag)
     if env in os.environ:
         default = type(os.environ[env])
     parser.add_argument(flag, type=type, default=default, help=f"{help} [env {env}]", **kw)

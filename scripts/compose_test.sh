@@ -60,7 +60,8 @@ log "compose: $("${COMPOSE[@]}" version | head -1)"
 export PAGODA_BASE_IMAGE=${PAGODA_BASE_IMAGE:-pagoda-base:bookworm}
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   s=$(date +%s)
-  if ! make images >/tmp/pagoda-compose-build.log 2>&1; then
+  # The build stage is kept for the rebuild below (its cache), which then removes it.
+  if ! PAGODA_KEEP_BUILD_STAGE=1 make images >/tmp/pagoda-compose-build.log 2>&1; then
     tail -n 40 /tmp/pagoda-compose-build.log; echo "make images failed (log /tmp/pagoda-compose-build.log)" >&2; exit 1
   fi
   grep -h 'verify_env ok' /tmp/pagoda-compose-build.log | sed 's/^/    /' || true

@@ -6,7 +6,8 @@
     pagoda bench --num-requests 16 --output-len 64  # bench/loadgen.py against --target
 
 Every command takes the connection flags (`--target`, `--api-key`, `--ssl-*`; each also
-reads its `PAGODA_*` variable, `--target` ← `PAGODA_TARGET`).
+reads its `PAGODA_*` variable, `--target` ← `PAGODA_TARGET`). When no target accepts a connection
+within `--connect-timeout` seconds (3), the command fails at once with one line naming them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
+import grpc
+
+from pagoda.cli import add_flag
 from pagoda.client import Client, GenerateParams, PagodaError
 from pagoda.client.flags import add_connection_flags, client_options
 
@@ -27,7 +32,26 @@ def _parent() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     add_connection_flags(parent)
     parent.add_argument("--timeout", type=float, default=None, help="deadline of each call in seconds")
+    add_flag(parent, "--connect-timeout", type=float, default=3.0,
+             help="give up when no target accepts a connection within this many seconds (0: wait as calls do)")
     return parent
+
+
+def wait_connected(client: Client, timeout: float) -> str | None:
+    """The first target whose channel becomes ready within `timeout` seconds, else None."""
+    channels = [client.connection.channel(t) for t in client.targets]
+    try:
+        ready = [grpc.channel_ready_future(c) for c in channels]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for target, future in zip(client.targets, ready):
+                if future.done():
+                    return target
+            time.sleep(0.02)
+        return None
+    finally:
+        for c in channels:
+            c.close()
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -202,6 +226,10 @@ def main(argv=None) -> int:
     commands = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info}
     try:
         with Client(**client_options(args), timeout=args.timeout) as client:
+            if args.connect_timeout > 0 and wait_connected(client, args.connect_timeout) is None:
+                print(f"pagoda: cannot connect to {','.join(client.targets)} within {args.connect_timeout:g} s "
+                      "(is the scheduler running there? --target / PAGODA_TARGET)", file=sys.stderr)
+                return 1
             return commands[args.command](client, args)
     except PagodaError as err:
         print(f"pagoda: {err}", file=sys.stderr)

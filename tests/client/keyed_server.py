@@ -34,10 +34,10 @@ class KeyedServicer(pb_grpc.GenerationServicer):
 
 
 @contextlib.contextmanager
-def insecure_keyed_server():
-    """Yield the host:port of a plaintext KeyedServicer."""
+def insecure_keyed_server(servicer: KeyedServicer | None = None):
+    """Yield the host:port of a plaintext KeyedServicer (`servicer`, or a new one)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_GenerationServicer_to_server(KeyedServicer(), server)
+    pb_grpc.add_GenerationServicer_to_server(servicer or KeyedServicer(), server)
     port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
     server.start()
     try:

@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 import tomllib
 
 import pytest
 
 from pagoda.client import Client
 from tests.client.services import EXECUTOR_ARGS, target
-from tests.service.harness import ROOT, Service
+from tests.service.harness import ROOT, Service, free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -88,3 +89,18 @@ def test_bench_runs_the_load_generator(svc, tmp_path):
     assert run.returncode == 0, run.stderr
     assert "tokens/s" in run.stdout
     assert json.loads(out.read_text())["summary"]
+
+
+def test_nothing_listening_fails_at_once_with_one_line_naming_the_target():
+    """Before: 40 s of silent retries, then UNAVAILABLE. Now: --connect-timeout (3 s), one line."""
+    dead = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    pagoda("--help")
+    startup = time.monotonic() - start  # the interpreter's start-up, measured beside it
+    for command in (["info"], ["generate", "hi"]):
+        start = time.monotonic()
+        run = pagoda(*command, "--target", dead, "--connect-timeout", "1")
+        took = time.monotonic() - start
+        assert run.returncode == 1 and run.stdout == ""
+        assert run.stderr.count("\n") == 1 and dead in run.stderr and "cannot connect" in run.stderr, run.stderr
+        assert took < 2 * startup + 1 + 5, (took, startup)  # the retries alone took 40 s

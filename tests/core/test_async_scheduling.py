@@ -8,6 +8,7 @@ tokens in flight, and every request that stops on its own ends with exactly the 
 a direct computation gives: placeholders never change the output.
 """
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
@@ -81,6 +82,7 @@ TestAheadSchedulerMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+TestAheadSchedulerMachine.pytestmark = [pytest.mark.slow]  # hundreds of random programs: make test, not make test-fast
 
 
 def test_a_decode_is_planned_while_its_token_is_in_flight():

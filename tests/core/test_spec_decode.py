@@ -7,6 +7,7 @@ block of rejected drafts that entered the prefix cache.
 
 import dataclasses
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from scheduler_svc.core import Scheduler, SchedulerConfig, SpeculativeConfig
@@ -199,6 +200,7 @@ TestSpeculativeSchedulerMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+TestSpeculativeSchedulerMachine.pytestmark = [pytest.mark.slow]  # hundreds of random programs: make test, not make test-fast
 
 
 def test_config_is_validated():

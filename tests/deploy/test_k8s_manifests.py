@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installe
 def tree(tmp_path_factory):
     """A copy of deploy/k8s with a cluster secret made as the README says (make-secret.sh)."""
     copy = tmp_path_factory.mktemp("k8s") / "k8s"
-    shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("cluster-secret"))
+    shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("cluster-secret", "RUN-deploy-k8s-make-secret.sh-FIRST"))
     subprocess.run([str(copy / "make-secret.sh")], check=True, capture_output=True)
     return copy
 
@@ -96,9 +96,9 @@ def test_both_services_mount_the_generated_cluster_secret(tree):
 
 def test_a_missing_cluster_secret_fails_the_render_instead_of_deploying_a_known_one(tmp_path):
     copy = tmp_path / "k8s"
-    shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("cluster-secret"))
+    shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("cluster-secret", "RUN-deploy-k8s-make-secret.sh-FIRST"))
     run = subprocess.run([KUBECTL, "kustomize", str(copy / "overlays" / "cpu")], capture_output=True, text=True)
-    assert run.returncode != 0 and "cluster-secret" in run.stderr
+    assert run.returncode != 0 and "RUN-deploy-k8s-make-secret.sh-FIRST/cluster-secret" in run.stderr, run.stderr
 
 
 def test_gpu_overlay_runs_cuda_executors_with_one_gpu_each(tree):
@@ -117,3 +117,26 @@ def test_gateway_component_targets_the_scheduler_service(tree):
     assert env(gateway)["PAGODA_TARGET"] == "pagoda-scheduler:50051"
     assert container(gateway)["readinessProbe"]["httpGet"]["path"] == "/health"
     assert ("Service", "pagoda-gateway") in objects
+    assert env(gateway)["PAGODA_GATEWAY_PORT"] == "8000" and "PAGODA_PORT" not in env(gateway)
+
+
+def test_metrics_have_their_own_service_that_sees_a_scheduler_before_it_is_ready(tree):
+    objects = by_kind_name(render(tree, "cpu"))
+    clients = objects[("Service", "pagoda-scheduler")]
+    assert [p["name"] for p in clients["spec"]["ports"]] == ["grpc"]
+    metrics = objects[("Service", "pagoda-scheduler-metrics")]
+    assert [p["port"] for p in metrics["spec"]["ports"]] == [9400]
+    assert metrics["spec"]["publishNotReadyAddresses"] is True
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_executors_have_link_probes_and_threads_from_their_cpu_request(tree, overlay):
+    executor = by_kind_name(render(tree, overlay))[("Deployment", "pagoda-executor")]
+    c = container(executor)
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["exec"]["command"] == ["python", "/app/docker/healthcheck.py", "--link"]
+    assert "livenessProbe" not in c  # executors outlive a scheduler restart by design
+    threads = next(e for e in c["env"] if e["name"] == "PAGODA_NUM_THREADS")
+    assert threads["valueFrom"]["resourceFieldRef"] == {"containerName": "executor", "resource": "requests.cpu",
+                                                        "divisor": "1"}
+    assert c["resources"]["requests"]["cpu"]

@@ -135,12 +135,15 @@ def test_errors_have_openai_shape_and_status(oai, gateway, model_name):
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model=model_name, messages=MESSAGES, top_p=1.5)
     assert err.value.body["param"] == "top_p"
-    with pytest.raises(openai.BadRequestError) as err:  # refused by the scheduler, which names the field
+    with pytest.raises(openai.BadRequestError) as err:  # refused by the scheduler: named as OpenAI names it
         oai.completions.create(model=model_name, prompt="hi", logit_bias={"99999999": 1})
-    assert err.value.body["param"].startswith("sampling.logit_bias")
+    assert err.value.body["param"] == "logit_bias" and err.value.body["message"].startswith("logit_bias")
+    with pytest.raises(openai.BadRequestError) as err:  # the scheduler's check of the prompt's length
+        oai.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=10 ** 6)
+    assert err.value.body["param"] == "max_tokens", err.value.body
     r = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": model_name, "messages": MESSAGES,
                                                                "stream": True, "top_k": -3})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling.top_k"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
 
 
 def test_a_caller_that_disconnects_aborts_its_request(svc, gateway, model_name):

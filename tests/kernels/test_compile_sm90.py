@@ -90,6 +90,7 @@ def compile_all() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # ~100 s on 2 shared cores: make test, not make test-fast
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)

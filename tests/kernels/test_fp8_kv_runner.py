@@ -34,6 +34,7 @@ def _prefill_then_decode_logits(runner: ModelRunner) -> torch.Tensor:
     return torch.cat([logits["r"], more["r"]])
 
 
+@pytest.mark.slow  # a model runner, ~50 s on 2 shared cores
 def test_fp8_cache_halves_memory_and_keeps_logits_close(tiny_llama):
     exact = ModelRunner(tiny_llama, device="cpu", num_kv_blocks=16, attention_backend="torch")
     triton_fp32 = ModelRunner(tiny_llama, device="cpu", num_kv_blocks=16, attention_backend="triton")

@@ -207,6 +207,7 @@ def test_fp8_split_kv(device):
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # ~10 s each in Triton's interpreter on 2 shared cores
 @pytest.mark.parametrize("num_segments", [None, 8])
 def test_long_context(num_segments, device):
     requests = [(1030, 1), (1000, 40), (7, 1)]

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagoda import model_files
 
@@ -12,12 +11,7 @@ def default_model_dir():
 
 
 @pytest.fixture(scope="session")
-def hf_reference():
-    """transformers' own load of the default GGUF file: the reference for every numeric claim."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = model_files.default_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    model.eval()
-    return model, tokenizer
+def hf_reference(default_greedy, default_tokenizer):
+    """transformers' own load of the default GGUF file: the reference for every numeric claim
+    (the one model `default_greedy` computes its cached continuations with)."""
+    return default_greedy.model, default_tokenizer

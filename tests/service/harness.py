@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
+from tests.references import hf_greedy  # noqa: F401  (re-exported: the tests' one computation)
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "pagoda.v1.Generation"
@@ -224,25 +225,6 @@ def greedy_request(prompt_ids=None, chat=None, text=None, max_tokens=32, request
     for key, value in stopping.items():
         setattr(req.stopping, key, value)
     return req
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-    """transformers' greedy continuation of `prompt_ids` (stops at EOS unless `ignore_eos`)."""
-    with torch.inference_mode():
-        if ignore_eos:  # transformers' own forward with its KV cache, argmax each step, no EOS check
-            out = model(torch.tensor([prompt_ids]), use_cache=True)
-            tokens = [int(out.logits[0, -1].argmax())]
-            while len(tokens) < max_new_tokens:
-                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-                tokens.append(int(out.logits[0, -1].argmax()))
-            return tokens
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 def chat_ids(tokenizer, content: str | list[dict]) -> list[int]:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pagoda.v1 import generation_pb2 as pb
-from tests.service.harness import chat_ids, collect, greedy_request, hf_greedy, Service
+from tests.service.harness import Service, chat_ids, collect, greedy_request, one_torch_thread
 
 SYSTEM = (
     "You are Pagoda's test assistant. Answer briefly and precisely. Prefer short sentences. "
@@ -19,15 +19,24 @@ SYSTEM = (
 )
 
 
-def test_preemption_keeps_every_greedy_output(hf_reference):
-    """48 KV blocks (752 token slots) for 12 requests of ~100 + 96 tokens: preemption must happen."""
-    model, tokenizer = hf_reference
+@pytest.fixture(scope="module")
+def preemption_case(default_greedy, default_tokenizer):
+    """12 prompts of ~100 tokens and transformers' 96 greedy tokens for each, computed before the
+    service starts (and cached: tests/references.py)."""
     topics = ["rivers", "mountains", "volcanoes", "deserts", "forests", "glaciers", "oceans", "islands",
               "caves", "lakes", "canyons", "reefs"]
     prompts = [
-        chat_ids(tokenizer, [{"role": "user", "content": f"Tell me about {t}. " + "Be detailed, thorough and precise in every answer. " * 8}])
+        chat_ids(default_tokenizer, [{"role": "user", "content": f"Tell me about {t}. " + "Be detailed, thorough and precise in every answer. " * 8}])
         for t in topics
     ]
+    with one_torch_thread():
+        return [(p, default_greedy.greedy(p, 96, ignore_eos=True)) for p in prompts]
+
+
+@pytest.mark.timeout(900, func_only=True)  # the service's part only: the reference is the fixture's
+def test_preemption_keeps_every_greedy_output(preemption_case):
+    """48 KV blocks (752 token slots) for 12 requests of ~100 + 96 tokens: preemption must happen."""
+    prompts = [p for p, _ in preemption_case]
     assert all(90 <= len(p) <= 130 for p in prompts), [len(p) for p in prompts]
     with Service(executor_args=["--num-kv-blocks", "48"], scheduler_args=["--max-num-batched-tokens", "256"]) as svc:
         with ThreadPoolExecutor(len(prompts)) as pool:
@@ -41,10 +50,10 @@ def test_preemption_keeps_every_greedy_output(hf_reference):
         assert info.num_preemptions > 0
         assert info.executors[0].num_total_blocks == 47
         assert info.executors[0].num_free_blocks == 47
-    for prompt, result in zip(prompts, results):
+    for (prompt, expected), result in zip(preemption_case, results):
         tokens = result["outputs"][0]["token_ids"]
         assert len(tokens) == 96
-        assert tokens == hf_greedy(model, prompt, 96, ignore_eos=True)
+        assert tokens == expected
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +62,8 @@ def service():
         yield svc
 
 
-def test_shared_system_prompt_hits_the_prefix_cache(service, hf_reference):
-    model, tokenizer = hf_reference
+def test_shared_system_prompt_hits_the_prefix_cache(service, default_greedy, default_tokenizer):
+    tokenizer = default_tokenizer
     questions = ["What is 2 + 2?", "Name a primary color.", "What is the boiling point of water?", "Say hello."]
     prompts = [chat_ids(tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in questions]
     first = collect(service.stub.Generate(greedy_request(prompt_ids=prompts[0], max_tokens=8), timeout=120))
@@ -65,7 +74,7 @@ def test_shared_system_prompt_hits_the_prefix_cache(service, hf_reference):
         assert common > 64
         assert result["first"].prompt_info.num_cached_tokens == (common // 16) * 16
         assert result["last"].usage.cached_prompt_tokens == (common // 16) * 16
-        assert result["outputs"][0]["token_ids"] == hf_greedy(model, prompt, 8)
+        assert result["outputs"][0]["token_ids"] == default_greedy.greedy(prompt, 8)
     info = service.wait_all_blocks_free()
     assert info.executors[0].num_cached_blocks > 0
     assert info.executors[0].num_free_blocks == info.executors[0].num_total_blocks
@@ -82,8 +91,8 @@ def _sampled_request(prompt, n, seed, max_tokens):
     return req
 
 
-def test_n_samples_share_the_prompt_blocks_and_replay_with_the_seed(service, hf_reference):
-    _, tokenizer = hf_reference
+def test_n_samples_share_the_prompt_blocks_and_replay_with_the_seed(service, default_tokenizer):
+    tokenizer = default_tokenizer
     prompt = chat_ids(tokenizer, [{"role": "system", "content": SYSTEM * 2}, {"role": "user", "content": "Write a short poem about tea."}])
     prompt_blocks = -(-len(prompt) // 16)
     assert prompt_blocks >= 10

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.service.harness import Service, chat_ids, collect, greedy_request, hf_greedy, one_torch_thread
+from tests.service.harness import Service, chat_ids, collect, greedy_request, one_torch_thread
 from tests.service.test_failover import EXECUTOR_ARGS, assert_idle, info_of, wait_until
 
 SCALE_OUT_TOPICS = [
@@ -22,14 +22,14 @@ SCALE_OUT_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
-def scale_out_reference(hf_reference):
-    model, tokenizer = hf_reference
+def scale_out_reference(default_greedy, default_tokenizer):
+    tokenizer = default_tokenizer
     prompts = [chat_ids(tokenizer, f"Write a long essay about {topic}.") for topic in SCALE_OUT_TOPICS]
     with one_torch_thread():
-        return [(p, hf_greedy(model, p, SCALE_OUT_TOKENS, ignore_eos=True)) for p in prompts]
+        return [(p, default_greedy.greedy(p, SCALE_OUT_TOKENS, ignore_eos=True)) for p in prompts]
 
 
-@pytest.mark.timeout(1800)  # the transformers reference alone is 1,920 tokens one by one
+@pytest.mark.timeout(900, func_only=True)  # the reference (1,920 tokens one by one) is the fixture's
 def test_an_executor_added_under_load_takes_queued_work(scale_out_reference):
     """One executor with --max-num-seqs 4 and 12 requests of 160 tokens at once; a second executor
     joins 2 s later. Bound on arrival, the 8 waiting requests stayed on the first executor; bound late,
@@ -66,17 +66,17 @@ def test_an_executor_added_under_load_takes_queued_work(scale_out_reference):
 
 
 @pytest.mark.parametrize("async_flag", ["--async-scheduling", "--no-async-scheduling"])
-def test_preemption_prefix_hits_and_chunks_with_and_without_a_step_ahead(async_flag, hf_reference):
+def test_preemption_prefix_hits_and_chunks_with_and_without_a_step_ahead(async_flag, default_greedy, default_tokenizer):
     """A small KV cache (preemption), a 64-token budget (chunked prefill), a shared prompt (prefix
     hits): greedy outputs equal transformers' either way."""
-    model, tokenizer = hf_reference
+    tokenizer = default_tokenizer
     system = "You are a careful assistant. Answer in full sentences and explain every step of your reasoning."
     prompts = [
         chat_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": f"Describe {t}."}])
         for t in ("a river", "a mountain", "a volcano", "a desert", "a forest", "a glacier")
     ]
     with one_torch_thread():
-        expected = [hf_greedy(model, p, 40, ignore_eos=True) for p in prompts]
+        expected = [default_greedy.greedy(p, 40, ignore_eos=True) for p in prompts]
     with Service(
         scheduler_args=[async_flag, "--max-num-batched-tokens", "64"],
         executor_args=["--num-kv-blocks", "24", "--num-threads", "2"],

@@ -29,6 +29,7 @@ def test_encode_gives_transformers_ids(model, add_special_tokens):
         assert encode(tokenizer, text, add_special_tokens) == tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+@pytest.mark.slow  # starts a child process that loads the tokenizer, ~55 s on 2 shared cores
 def test_the_child_process_answers_as_the_threads_do(model):
     model_dir, tokenizer, spec = model
 
