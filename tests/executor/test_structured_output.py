@@ -1,0 +1,163 @@
+"""Structured output on the executor: constrained greedy equals transformers + xgrammar's logits processor.
+
+The default model runs under the real core scheduler (`scheduler_svc.core`), with every
+constraint kind in one batch, in each serving mode: plain steps, async scheduling (each
+step planned before the last result is applied), chunked prefill with preemption (a
+preempted request comes back in full and its matcher replays its output), and
+speculative decoding (drafts checked against the grammar). The reference is transformers'
+`generate` with `xgrammar.contrib.hf.LogitsProcessor` on the same weights
+(`tests/structured_reference.py`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+
+from pagoda.constraint import Constraint
+from pagoda.step import NewRequestData, SamplingParams, StepPlan
+from scheduler_svc.core import FinishReason, Request, Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SpeculativeConfig
+from tests.structured_reference import CASES, Reference
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def reference(hf_default, default_model_dir):
+    from transformers import AutoTokenizer
+
+    return Reference(hf_default, AutoTokenizer.from_pretrained(str(default_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    """case name -> (prompt ids, transformers' constrained greedy tokens)."""
+    out = {}
+    for case in CASES:
+        prompt = reference.prompt_ids(case.prompt)
+        out[case.name] = (prompt, reference.greedy(prompt, case.constraint, case.max_tokens))
+    return out
+
+
+def _requests(expected, tag: str, logprobs: bool = False) -> list[Request]:
+    return [
+        Request(
+            f"{tag}-{case.name}",
+            expected[case.name][0],
+            SamplingParams(temperature=0.0, stop_token_ids=(EOS,), logprobs=logprobs, constraint=case.constraint),
+            max_tokens=case.max_tokens,
+            eos_token_ids=frozenset({EOS}),
+            arrival_time=i,
+        )
+        for i, case in enumerate(CASES)
+    ]
+
+
+def _run(runner, scheduler: Scheduler, ahead: bool, updates: list | None = None) -> None:
+    """Drive `scheduler` and `runner` to the end; `ahead`: each step planned before the last result is applied."""
+    in_flight: deque = deque()
+    for _ in range(2_000):
+        if not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule()
+        in_flight.append((plan, runner.execute(plan)))
+        while len(in_flight) > (1 if ahead else 0):
+            step_updates = scheduler.update_from_output(*in_flight.popleft())
+            if updates is not None:
+                updates += step_updates
+        scheduler.check_integrity()
+    while in_flight:
+        scheduler.update_from_output(*in_flight.popleft())
+    runner.execute(scheduler.schedule())  # drop the finished requests' state
+    assert not scheduler.has_unfinished()
+    assert not runner.structured, "a finished request's matcher was kept"
+
+
+SETTINGS = {
+    "plain": (dict(num_blocks=256, max_num_batched_tokens=512), False),
+    "async_scheduling": (dict(num_blocks=256, max_num_batched_tokens=512), True),
+    "chunked_prefill_and_preemption": (dict(num_blocks=12, max_num_batched_tokens=24), True),
+    "speculative": (dict(num_blocks=256, max_num_batched_tokens=512, speculative=SpeculativeConfig(4, prompt_lookup_min=1, prompt_lookup_max=3)), False),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_constrained_greedy_equals_transformers_with_xgrammar(default_runner, expected, setting):
+    config, ahead = SETTINGS[setting]
+    scheduler = Scheduler(SchedulerConfig(block_size=16, **config))
+    requests = _requests(expected, setting)
+    for request in requests:
+        scheduler.add_requests([request])
+    _run(default_runner, scheduler, ahead)
+    for case, request in zip(CASES, requests):
+        want = expected[case.name][1]
+        assert request.output_token_ids == want, (case.name, request.output_token_ids, want)
+        ended = want[-1] == EOS
+        assert request.finish_reason is (FinishReason.EOS if ended else FinishReason.LENGTH), case.name
+    assert sum(r.finish_reason is FinishReason.EOS for r in requests) >= 4  # the grammars' ends are reached
+    if setting == "chunked_prefill_and_preemption":
+        assert scheduler.num_preemptions > 0
+    if setting == "speculative":
+        assert sum(r.num_draft_tokens for r in requests) > 0
+
+
+def test_logprobs_are_those_of_the_masked_distribution(default_runner, expected, reference, hf_default):
+    import xgrammar as xgr
+
+    scheduler = Scheduler(SchedulerConfig(num_blocks=256, block_size=16))
+    requests = _requests(expected, "logprobs", logprobs=True)[:2]
+    for request in requests:
+        scheduler.add_requests([request])
+    updates: list = []
+    _run(default_runner, scheduler, ahead=True, updates=updates)
+    for case, request in zip(CASES, requests):
+        prompt, output = expected[case.name][0], request.output_token_ids
+        with torch.inference_mode():
+            logits = hf_default(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].contiguous()
+        matcher = xgr.GrammarMatcher(reference.compile(case.constraint))
+        mask = xgr.allocate_token_bitmask(len(output), logits.shape[-1])
+        for i, token in enumerate(output):
+            matcher.fill_next_token_bitmask(mask, i)
+            assert matcher.accept_token(token)
+        raw = logits.log_softmax(-1).gather(1, torch.tensor(output)[:, None])[:, 0]
+        xgr.apply_token_bitmask_inplace(logits, mask)
+        want = logits.log_softmax(-1).gather(1, torch.tensor(output)[:, None])[:, 0]
+        got = torch.tensor([u.sampled.logprob for u in updates if u.req_id == request.req_id])
+        assert torch.allclose(got, want, atol=2e-3), (case.name, (got - want).abs().max())
+        assert (got - raw).max() > 0.5  # the mask matters: some token is far likelier than unmasked
+
+
+def test_drafts_the_grammar_rejects_are_never_accepted(default_runner, expected, reference):
+    """Drafts are the reference's own continuation (accepted), or tokens outside the grammar (rejected)."""
+    case = next(c for c in CASES if c.name == "regex")
+    prompt, want = expected[case.name]
+    letters = reference.tokenizer("abc", add_special_tokens=False)["input_ids"]
+    for tag, drafts, num_kept in (("good", want[1:4], 4), ("bad", letters[:3], 1)):
+        req_id = f"drafts-{tag}"
+        sampling = SamplingParams(temperature=0.0, stop_token_ids=(EOS,), constraint=case.constraint)
+        new = NewRequestData(req_id, prompt, len(prompt), sampling, list(range(1, 8)), 0)
+        first = default_runner.execute(StepPlan(0, new_requests=[new], num_scheduled_tokens={req_id: len(prompt)}))
+        assert [t.token_id for t in first.sampled] == want[:1]
+        # its first output token, then the drafts after it
+        plan = StepPlan(1, num_scheduled_tokens={req_id: 1 + len(drafts)}, scheduled_spec_decode_tokens={req_id: drafts})
+        tokens = [t.token_id for t in default_runner.execute(plan).sampled]
+        assert tokens == want[1 : 1 + num_kept], (tag, tokens, want)
+        default_runner.execute(StepPlan(2, finished_req_ids=[req_id]))
+
+
+def test_a_choice_ends_with_eos_and_a_truncated_json_with_length(default_runner, expected):
+    json_case = next(c for c in CASES if c.name == "json_schema")
+    prompt = expected[json_case.name][0]
+    scheduler = Scheduler(SchedulerConfig(num_blocks=256, block_size=16))
+    greedy = dict(temperature=0.0, stop_token_ids=(EOS,))
+    cut = Request("cut", prompt, SamplingParams(**greedy, constraint=json_case.constraint), max_tokens=5, eos_token_ids=frozenset({EOS}))
+    # min_tokens beyond the grammar's end: the end wins (EOS is its only token)
+    forced = Request("forced", prompt, SamplingParams(**greedy, min_tokens=6, constraint=Constraint.choice(["ok"])), max_tokens=8, eos_token_ids=frozenset({EOS}))
+    scheduler.add_requests([cut])
+    scheduler.add_requests([forced])
+    _run(default_runner, scheduler, ahead=True)
+    assert cut.finish_reason is FinishReason.LENGTH and cut.output_token_ids == expected[json_case.name][1][:5]
+    assert forced.finish_reason is FinishReason.EOS and forced.output_token_ids[-1] == EOS
