@@ -17,7 +17,7 @@ from pathlib import Path
 from pagoda.constraint import Constraint, ConstraintKind, choice_grammar
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the reason.
-_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
 def tokenizer_info(model_dir: str | Path, stop_token_ids: list[int] | None = None):

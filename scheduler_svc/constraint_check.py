@@ -69,6 +69,7 @@ class ConstraintChecker:
         self._free: list[_CompileProcess] = list(self._processes)
         self._free_lock = threading.Lock()
         self._threads = ThreadPoolExecutor(num_processes, thread_name_prefix="constraint-check")
+        self.num_compiles = 0  # constraints sent to a compile process (cache misses)
 
     async def check(self, constraint: Constraint) -> None:
         key = constraint.key
@@ -87,6 +88,7 @@ class ConstraintChecker:
             raise InvalidArgument(constraint.field, verdict)
 
     async def _compile(self, constraint: Constraint) -> str | None:
+        self.num_compiles += 1
         verdict = await asyncio.get_running_loop().run_in_executor(self._threads, self._compile_blocking, constraint)
         self._verdicts[constraint.key] = verdict
         while len(self._verdicts) > self._cache_entries:

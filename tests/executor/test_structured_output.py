@@ -161,3 +161,37 @@ def test_a_choice_ends_with_eos_and_a_truncated_json_with_length(default_runner,
     _run(default_runner, scheduler, ahead=True)
     assert cut.finish_reason is FinishReason.LENGTH and cut.output_token_ids == expected[json_case.name][1][:5]
     assert forced.finish_reason is FinishReason.EOS and forced.output_token_ids[-1] == EOS
+
+
+def _bitmask(num_rows: int, vocab: int, allowed: list[int]) -> torch.Tensor:
+    words = [0] * ((vocab + 31) // 32)
+    for token in allowed:
+        words[token // 32] |= 1 << (token % 32)
+    signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]
+    return torch.tensor([signed] * num_rows, dtype=torch.int32)
+
+
+def test_the_mask_applies_before_every_sampling_rule():
+    """The model's favourite token is outside the grammar: no rule, whatever its order, may bring it back."""
+    from executor_svc.sampler import Sampler, SamplingRow
+
+    vocab, allowed = 64, [3, 10, 40]
+    rules = [
+        dict(temperature=0.0),
+        dict(temperature=1.0, top_k=1, seed=1),
+        dict(temperature=1.0, top_p=0.05, seed=2),
+        dict(temperature=1.0, min_p=0.9, seed=3),
+        dict(temperature=0.0, logit_bias=((0, 100.0), (5, 100.0))),
+        dict(temperature=0.5, repetition_penalty=2.0, presence_penalty=1.0, seed=4),
+        dict(temperature=0.0, min_tokens=4, stop_token_ids=(3, 10, 40)),  # the grammar allows only stop tokens
+    ]
+    constraint = Constraint.regex("x")  # any: the rows' masks are given
+    rows = [SamplingRow(SamplingParams(**rule, logprobs=True, constraint=constraint), [0, 1, 2, 0], 2) for rule in rules]
+    logits = torch.randn(len(rules), vocab)
+    logits[:, 0] = 20.0
+    out = Sampler()(logits, rows, _bitmask(len(rules), vocab, allowed))
+    assert all(token in allowed for token in out.token_ids), out.token_ids
+    assert torch.isinf(logits[:, [t for t in range(vocab) if t not in allowed]]).all()  # masked in place
+    masked = logits.log_softmax(-1)
+    for i, token in enumerate(out.token_ids):
+        assert abs(out.logprobs[i] - float(masked[i, token])) < 1e-5  # the masked distribution's
