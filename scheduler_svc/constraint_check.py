@@ -43,6 +43,7 @@ COMPILE_TIMEOUT_S = 10.0
 # Above the child's own footprint after start-up (the tokenizer info is ~100 MB).
 COMPILE_MEMORY_BYTES = 2 << 30
 CACHE_ENTRIES = 4096
+CHILD_CACHE_BYTES = 64 << 20  # xgrammar's own cache in the child, within its memory cap
 NUM_PROCESSES = 1
 MAX_PENDING = 256
 START_TIMEOUT_S = 120.0
@@ -180,8 +181,10 @@ def _child_main(conn, model_dir: str, memory_bytes: int) -> None:
         from pagoda.constraint import Constraint, ConstraintKind
         from pagoda.grammars import compile_constraint, error_message, tokenizer_info
 
-        # One thread: the compile is bounded by one core; no cache: the parent keeps verdicts.
-        compiler = xgr.GrammarCompiler(tokenizer_info(model_dir), max_threads=1, cache_enabled=False)
+        # One thread: a compile is bounded by one core. The cache stays on, bounded: xgrammar
+        # also caches sub-grammars with it, which makes first compiles faster too (measured:
+        # a 30-field schema with patterns 0.3 s with it, 5.3 s without).
+        compiler = xgr.GrammarCompiler(tokenizer_info(model_dir), max_threads=1, cache_limit_bytes=CHILD_CACHE_BYTES)
         _cap_address_space(memory_bytes)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which refuses to serve constraints
         conn.send_bytes(json.dumps({"error": repr(exc)}).encode())

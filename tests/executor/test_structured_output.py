@@ -195,3 +195,27 @@ def test_the_mask_applies_before_every_sampling_rule():
     masked = logits.log_softmax(-1)
     for i, token in enumerate(out.token_ids):
         assert abs(out.logprobs[i] - float(masked[i, token])) < 1e-5  # the masked distribution's
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_attention_backend_masks_through_the_shared_sampler(backend, tmp_path, default_model_dir):
+    """A tiny random Llama with the default tokenizer, float32 weights (no GGUF decode path):
+    constrained greedy on the torch and Triton backends equals transformers + xgrammar's processor."""
+    from transformers import AutoTokenizer
+
+    from executor_svc.model_runner import ModelRunner
+    from tests.executor.plans import PlanBuilder, run_to_completion
+    from tests.service.test_tiny_models import build_tiny
+
+    hf = build_tiny("llama", tmp_path, default_model_dir, shard=False)
+    reference = Reference(hf, AutoTokenizer.from_pretrained(str(tmp_path)))
+    runner = ModelRunner(tmp_path, device="cpu", num_kv_blocks=32, attention_backend=backend)
+    builder = PlanBuilder(num_blocks=32)
+    cases = [c for c in CASES if c.name in ("regex", "choice", "json_object")]
+    prompts = {c.name: reference.prompt_ids(c.prompt)[:24] for c in cases}
+    for case in cases:
+        builder.add(case.name, prompts[case.name], 12, SamplingParams(temperature=0.0, constraint=case.constraint), chunk_sizes=[10])
+    outputs = run_to_completion(runner, builder)
+    for case in cases:  # the plan builder ignores EOS: compare up to the reference's end
+        want = reference.greedy(prompts[case.name], case.constraint, 12)
+        assert outputs[case.name][: len(want)] == want, (backend, case.name)

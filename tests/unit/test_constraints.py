@@ -133,3 +133,15 @@ def test_a_compile_over_the_time_limit_is_killed_and_refused_and_the_next_one_co
     assert _check(checker, slow) == "constraint.regex: does not compile within 1 s (the limit)"
     assert _check(checker, slow).endswith("(the limit)")  # cached: not compiled again
     assert _check(checker, Constraint.regex(r"[0-9]{2}")) is None  # a fresh compile process
+
+
+def test_the_client_sends_at_most_one_constraint():
+    from pagoda.client.types import GenerateParams, build_request
+
+    req = build_request("hi", None, GenerateParams(json_schema={"type": "object"}), "r")
+    assert req.constraint.json_schema == '{"type": "object"}'
+    req = build_request("hi", None, GenerateParams(choice=["a", "b"]), "r")
+    assert list(req.constraint.choice.choices) == ["a", "b"]
+    assert not build_request("hi", None, GenerateParams(), "r").HasField("constraint")
+    with pytest.raises(ValueError, match="at most one constraint, got choice, regex"):
+        build_request("hi", None, GenerateParams(regex="a", choice=["a"]), "r")
