@@ -23,11 +23,12 @@ Mapping OpenAI's request shapes onto a constraint (for the HTTP gateway):
   `{"type": "json_object"}` -> json_object(); vLLM's `structured_outputs` `json` / `regex` /
   `choice` / `grammar` -> the kind of the same name.
 * `tools` with `tool_choice` naming one function, or `"required"`: a structural tag from
-  `xgrammar.get_model_structural_tag(<model's format>, tools, tool_choice)` (the model's own
-  tool-call syntax, e.g. Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>`)
-  -> structural_tag(tag.model_dump_json()); or, for a model without such a format, the
-  function's `parameters` schema -> json_schema (named) or an `anyOf` of
-  `{"name": const, "arguments": parameters}` objects (required).
+  `xgrammar.get_model_structural_tag(<model's format>, tools, tool_choice, reasoning=False)`
+  (the model family's own tool-call syntax, e.g. "qwen_3": `<tool_call>\n{"name": ...,
+  "arguments": ...}\n</tool_call>`; "llama", "harmony", "kimi", "deepseek_v3_1", ...)
+  -> structural_tag(tag.model_dump_json()); the gateway parses the calls out of the text.
+  For a model without such a format: the function's `parameters` schema -> json_schema
+  (named), or an `anyOf` of `{"name": const, "arguments": parameters}` objects (required).
 
 No torch, gRPC or xgrammar here: the scheduler's pure-Python core carries it inside
 `SamplingParams`; the scheduler's compile check and the executor's matcher read it.

@@ -46,6 +46,27 @@ def _object(text: str) -> bool:
     return isinstance(json.loads(text), dict)
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def tool_call_tag() -> str:
+    """What the gateway sends for `tools=[get_weather]`, `tool_choice` naming it: the model family's
+    tool-call format (Qwen 3's `<tool_call>` JSON) as an xgrammar structural tag."""
+    import xgrammar as xgr
+
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    return xgr.get_model_structural_tag("qwen_3", tools=[WEATHER_TOOL], tool_choice=choice, reasoning=False).model_dump_json()
+
+
+def _tool_call(text: str) -> bool:
+    begin, end = "<tool_call>\n", "\n</tool_call>"
+    if not (text.startswith(begin) and text.endswith(end)):
+        return False
+    call = json.loads(text[len(begin) : -len(end)])
+    return call["name"] == "get_weather" and isinstance(call["arguments"]["city"], str)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -60,7 +81,8 @@ CASES = [
     Case("regex", Constraint.regex(DATE_REGEX), "When did the Berlin wall fall? Answer with the date.", 16, lambda t: re.fullmatch(DATE_REGEX, t) is not None),
     Case("choice", Constraint.choice(CHOICES), "What is the sentiment of 'I love this film'?", 8, lambda t: t in CHOICES),
     Case("grammar", Constraint.grammar(ANSWER_GRAMMAR), "What is 12 + 30?", 16, lambda t: re.fullmatch(r"The answer is [0-9]+\.", t) is not None),
-    Case("json_object", Constraint.json_object(), "Describe a cat as a JSON object.", 24, _object),
+    Case("structural_tag", Constraint.structural_tag(tool_call_tag()), "What is the weather in Paris?", 32, _tool_call),
+    Case("json_object", Constraint.json_object(), "Describe a cat as a JSON object.", 24, _object),  # last: the failover's
 ]
 SAMPLED_CASES = [  # outputs that end quickly, for many seeded draws
     Case("json_schema", Constraint.json_schema(LABEL_SCHEMA), "Is a kitten a cat or a dog? Answer as JSON with a score.", 40, _label),

@@ -85,7 +85,7 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_constrained_greedy_equals_transformers_with_xgrammar(default_runner, expected, setting):
+def test_constrained_greedy_equals_transformers_with_xgrammar(default_runner, expected, reference, setting):
     config, ahead = SETTINGS[setting]
     scheduler = Scheduler(SchedulerConfig(block_size=16, **config))
     requests = _requests(expected, setting)
@@ -97,6 +97,8 @@ def test_constrained_greedy_equals_transformers_with_xgrammar(default_runner, ex
         assert request.output_token_ids == want, (case.name, request.output_token_ids, want)
         ended = want[-1] == EOS
         assert request.finish_reason is (FinishReason.EOS if ended else FinishReason.LENGTH), case.name
+        text = reference.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        assert case.valid(text) if ended else reference.is_valid_prefix(case.constraint, want), (case.name, text)
     assert sum(r.finish_reason is FinishReason.EOS for r in requests) >= 4  # the grammars' ends are reached
     if setting == "chunked_prefill_and_preemption":
         assert scheduler.num_preemptions > 0
