@@ -16,7 +16,8 @@ Three tables, on the default model (SmolLM2-135M-Instruct, its GGUF Q4_1 blocks)
 3. load: the W48-like workload of bench/loadgen.py (48 requests, prompts 32-384 random
    token ids, outputs 16-160, all at once) against one spawned service, unconstrained and
    every request constrained by a JSON schema (an object whose string must run past
-   max_tokens, so every output has its exact length), runs interleaved; then the same
+   max_tokens, so every output has its exact length), runs interleaved A B B A (prefix
+   caching off, so that no run reuses an earlier run's prompts); then the same
    unconstrained load with `--no-async-scheduling`, which is what a scheduler-side matcher
    costs: it needs step N's tokens before it can fill step N+1's bitmask, so it cannot
    plan a step ahead.
@@ -196,8 +197,9 @@ def bench_load(args) -> str:
     runs: dict[str, list[dict]] = {"unconstrained": [], "json_schema": []}
     args.spawn, args.target = True, None
     with service_target(args) as target:
+        kinds = [("unconstrained", make_request), ("json_schema", constrained)]
         for round_ in range(args.rounds):
-            for label, make in (("unconstrained", make_request), ("json_schema", constrained)):
+            for label, make in kinds if round_ % 2 == 0 else kinds[::-1]:  # A B B A: drift hits both alike
                 result = run_pagoda(target, specs, workload.max_concurrency, warmup=2 if round_ == 0 else 0, make=make)
                 runs[label].append(result["summary"])
                 print(f"  round {round_ + 1} {label}: {result['summary']['output_tokens_per_s']:.1f} output tokens/s", flush=True)
@@ -231,7 +233,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="load: interleaved rounds of each kind")
     parser.add_argument("--no-compare-sync", dest="compare_sync", action="store_false",
                         help="load: skip the run without async scheduling")
-    parser.add_argument("--scheduler-args", default="")
+    parser.add_argument("--scheduler-args", default="--no-enable-prefix-caching",
+                        help="load: the service's scheduler flags (default: prefix caching off, see part 3)")
     parser.add_argument("--executor-args", default="")
     parser.add_argument("--num-executors", type=int, default=1)
     parser.add_argument("--model", default=None)

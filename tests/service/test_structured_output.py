@@ -86,6 +86,18 @@ def test_constrained_greedy_streams_equal_transformers_with_xgrammar(svc, expect
             assert out["finish_reason"] == pb.FINISH_REASON_LENGTH and reference.is_valid_prefix(case.constraint, want)
 
 
+def test_a_stop_string_cuts_a_constrained_output_to_a_valid_prefix(svc, expected, reference):
+    person = next(c for c in CASES if c.name == "json_schema")
+    prompt, want = expected[person.name]
+    full = reference.tokenizer.decode(want, skip_special_tokens=True)
+    req = constrained_request(prompt, person.constraint, person.max_tokens)
+    req.stopping.stop.append('"age"')
+    out = collect(svc.stub.Generate(req, timeout=300))["outputs"][0]
+    assert out["finish_reason"] == pb.FINISH_REASON_STOP_SEQUENCE and out["matched_stop"] == '"age"'
+    assert out["text"] == full[: full.index('"age"')]
+    assert reference.is_valid_prefix(person.constraint, out["token_ids"])
+
+
 def test_200_seeded_draws_all_satisfy_their_constraint(svc, reference):
     requests = []
     for i in range(200 // NUM_SAMPLES):
