@@ -382,12 +382,7 @@ class ModelRunner:
             keep = [i for i, ok in enumerate(finite) if ok]
             errors += [RequestError(r, "the model produced non-finite logits (NaN or Inf)") for r, ok in zip(req_ids, finite) if not ok]
             logits, req_ids = logits[keep], [req_ids[i] for i in keep]
-        grammar_errors = self._grammar_errors(req_ids)
-        if grammar_errors:
-            errors += grammar_errors
-            failed = {e.req_id for e in grammar_errors}
-            keep = [i for i, r in enumerate(req_ids) if r not in failed]
-            logits, req_ids = logits[keep], [req_ids[i] for i in keep]
+        logits, req_ids = self._without_grammar_failures(logits, req_ids, errors)
         rows = [SamplingRow(self.requests[r].sampling, self.requests[r].token_ids, self.requests[r].num_prompt_tokens) for r in req_ids]
         bitmask = self.structured.bitmask(req_ids) if self.structured else None
         try:
@@ -405,16 +400,19 @@ class ModelRunner:
         self.failed.update((e.req_id, e.message) for e in errors)
         return sampled, errors
 
-    def _grammar_errors(self, req_ids: list[str]) -> list[RequestError]:
-        """The requests whose grammar cannot go on (it failed to compile here, say): they fail alone."""
+    def _without_grammar_failures(
+        self, logits: torch.Tensor, row_req_ids: list[str], errors: list[RequestError]
+    ) -> tuple[torch.Tensor, list[str]]:
+        """Drop the rows of requests whose grammar cannot go on (it failed to compile here, say):
+        each fails alone, with a RequestError appended to `errors`."""
         if not self.structured:
-            return []
-        errors = []
-        for req_id in dict.fromkeys(req_ids):
-            message = self.structured.error_of(req_id)
-            if message is not None:
-                errors.append(RequestError(req_id, message))
-        return errors
+            return logits, row_req_ids
+        failed = {r: m for r in dict.fromkeys(row_req_ids) if (m := self.structured.error_of(r)) is not None}
+        if not failed:
+            return logits, row_req_ids
+        errors += [RequestError(r, m) for r, m in failed.items()]
+        keep = [i for i, r in enumerate(row_req_ids) if r not in failed]
+        return logits[keep], [row_req_ids[i] for i in keep]
 
     def _sample_rows(
         self, logits: torch.Tensor, rows: list[SamplingRow], req_ids: list[str], bitmask: torch.Tensor | None = None
@@ -448,12 +446,7 @@ class ModelRunner:
             errors += [RequestError(r, "the model produced non-finite logits (NaN or Inf)") for r in dict.fromkeys(row_req_ids) if r in bad]
             keep = [i for i, r in enumerate(row_req_ids) if r not in bad]
             logits, row_req_ids = logits[keep], [row_req_ids[i] for i in keep]
-        grammar_errors = self._grammar_errors(row_req_ids)
-        if grammar_errors:
-            errors += grammar_errors
-            failed = {e.req_id for e in grammar_errors}
-            keep = [i for i, r in enumerate(row_req_ids) if r not in failed]
-            logits, row_req_ids = logits[keep], [row_req_ids[i] for i in keep]
+        logits, row_req_ids = self._without_grammar_failures(logits, row_req_ids, errors)
         try:
             sampled = self._verify(logits, row_req_ids, drafts)
         except Exception:

@@ -221,3 +221,14 @@ def test_every_attention_backend_masks_through_the_shared_sampler(backend, tmp_p
     for case in cases:  # the plan builder ignores EOS: compare up to the reference's end
         want = reference.greedy(prompts[case.name], case.constraint, 12)
         assert outputs[case.name][: len(want)] == want, (backend, case.name)
+
+
+def test_a_grammar_that_fails_on_the_executor_fails_its_request_alone(default_runner):
+    greedy = SamplingParams(temperature=0.0)
+    bad = NewRequestData("bad-grammar", [1, 2, 3, 4], 4, SamplingParams(temperature=0.0, constraint=Constraint.regex("(")), [1], 0)
+    good = NewRequestData("good-neighbour", [1, 2, 3, 4], 4, greedy, [2], 0)
+    result = default_runner.execute(StepPlan(0, new_requests=[bad, good], num_scheduled_tokens={"bad-grammar": 4, "good-neighbour": 4}))
+    assert [t.req_id for t in result.sampled] == ["good-neighbour"]
+    assert [e.req_id for e in result.errors] == ["bad-grammar"]
+    assert "failed to compile on the executor: Regex parsing error" in result.errors[0].message
+    default_runner.execute(StepPlan(1, finished_req_ids=["bad-grammar", "good-neighbour"]))
