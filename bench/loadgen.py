@@ -61,10 +61,10 @@ def make_request(spec: RequestSpec) -> pb.GenerateRequest:
     return req
 
 
-async def _stream_one(stub, spec: RequestSpec, record: RequestRecord, timeout_s: float) -> None:
+async def _stream_one(stub, spec: RequestSpec, record: RequestRecord, timeout_s: float, make=make_request) -> None:
     record.start = time.perf_counter()
     try:
-        async for response in stub.Generate(make_request(spec), timeout=timeout_s, metadata=_CONNECTION.metadata()):
+        async for response in stub.Generate(make(spec), timeout=timeout_s, metadata=_CONNECTION.metadata()):
             now = time.perf_counter()
             n = 0
             for out in response.outputs:
@@ -80,10 +80,11 @@ async def _stream_one(stub, spec: RequestSpec, record: RequestRecord, timeout_s:
 
 
 async def run_requests(
-    target: str, specs: list[RequestSpec], max_concurrency: int | None = None, timeout_s: float = 3600.0
+    target: str, specs: list[RequestSpec], max_concurrency: int | None = None, timeout_s: float = 3600.0, make=make_request
 ) -> tuple[list[RequestRecord], float, float]:
     """Stream every request (each at its arrival time, at most `max_concurrency` at once);
-    return the records and the run's start and end (perf_counter seconds)."""
+    return the records and the run's start and end (perf_counter seconds). `make` builds
+    each spec's GenerateRequest."""
     records = [RequestRecord(s.index, len(s.prompt_ids), s.max_tokens) for s in specs]
     limit = asyncio.Semaphore(max_concurrency or len(specs) or 1)
     async with _CONNECTION.aio_channel(target) as channel:
@@ -96,7 +97,7 @@ async def run_requests(
             if delay > 0:
                 await asyncio.sleep(delay)
             async with limit:
-                await _stream_one(stub, spec, record, timeout_s)
+                await _stream_one(stub, spec, record, timeout_s, make)
 
         await asyncio.gather(*(one(s, r) for s, r in zip(specs, records)))
         t_end = max([t0, *(r.end for r in records)])
@@ -132,13 +133,14 @@ def server_snapshot(target: str) -> dict:
 
 
 def run_pagoda(
-    target: str, specs: list[RequestSpec], max_concurrency: int | None, warmup: int = 2, timeout_s: float = 1800.0
+    target: str, specs: list[RequestSpec], max_concurrency: int | None, warmup: int = 2, timeout_s: float = 1800.0,
+    make=make_request,
 ) -> dict:
     """Warm up, run the workload, and return records, times, summary and server facts."""
     warm_up(target, warmup)
     before = server_snapshot(target)
     with RunQueueSampler() as load:
-        records, t0, t_end = asyncio.run(run_requests(target, specs, max_concurrency, timeout_s))
+        records, t0, t_end = asyncio.run(run_requests(target, specs, max_concurrency, timeout_s, make))
     after = server_snapshot(target)
     summary = summarize(records, t0, t_end)
     summary["num_preemptions"] = after["num_preemptions"] - before["num_preemptions"]

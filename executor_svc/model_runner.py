@@ -36,6 +36,7 @@ from executor_svc.model import DecoderModel, can_pack_for_cpu
 from executor_svc.quant.gguf_linear import GGUFLinear
 from executor_svc.sampler import Sampler, SamplingRow
 from executor_svc.spec_decode import verify
+from executor_svc.structured_output import StructuredOutput
 from pagoda.model_files import fingerprint, gguf_source
 from pagoda.step import NewRequestData, RequestError, SampledToken, SamplingParams, StepPlan, StepResult
 
@@ -184,6 +185,7 @@ class ModelRunner:
         self.kv_cache_dtype = cache_dtype(self.dtype) if cache_dtype else self.dtype
         self._fingerprint = fingerprint(self.model_dir)
         self.sampler = Sampler()
+        self.structured = StructuredOutput(self.model_dir)  # grammar matchers of constrained requests
         self.requests: dict[str, CachedRequestState] = {}
         self.batch = InputBatch(self.max_model_len, block_size, self._device)
         self.failed: dict[str, str] = {}  # req id -> why it failed alone; not computed again (see sample)
@@ -255,6 +257,7 @@ class ModelRunner:
         self.requests.clear()
         self.batch.clear()
         self.failed.clear()
+        self.structured.clear()
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self._execute(plan, all_logits=False)[0]
@@ -312,6 +315,8 @@ class ModelRunner:
             for new in plan.new_requests:
                 self._drop(new.req_id)  # sent again in full (after a preemption)
                 self.requests[new.req_id] = CachedRequestState(new, self.batch)
+                if new.sampling.constraint is not None:  # its matcher replays the output so far
+                    self.structured.add(new.req_id, new.sampling.constraint, new.token_ids[new.num_prompt_tokens :])
             for cached in plan.cached_requests:
                 self.batch.append_blocks(self._state(cached.req_id).row, cached.new_block_ids)
         except BatchError as exc:
@@ -321,6 +326,7 @@ class ModelRunner:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.batch.remove(state.row)
+            self.structured.remove(req_id)
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Gather the step's flat batch from the persistent batch's rows (`InputBatch.gather`)."""
@@ -376,25 +382,44 @@ class ModelRunner:
             keep = [i for i, ok in enumerate(finite) if ok]
             errors += [RequestError(r, "the model produced non-finite logits (NaN or Inf)") for r, ok in zip(req_ids, finite) if not ok]
             logits, req_ids = logits[keep], [req_ids[i] for i in keep]
+        logits, req_ids = self._without_grammar_failures(logits, req_ids, errors)
         rows = [SamplingRow(self.requests[r].sampling, self.requests[r].token_ids, self.requests[r].num_prompt_tokens) for r in req_ids]
+        bitmask = self.structured.bitmask(req_ids) if self.structured else None
         try:
-            sampled = self._sample_rows(logits, rows, req_ids)
+            sampled = self._sample_rows(logits, rows, req_ids, bitmask)
         except Exception:
             logger.exception("sampling a batch of %d rows failed: sampling them one by one", len(rows))
             sampled = []
             for i, req_id in enumerate(req_ids):
                 try:
-                    sampled += self._sample_rows(logits[i : i + 1], rows[i : i + 1], [req_id])
+                    row_mask = bitmask[i : i + 1] if bitmask is not None else None
+                    sampled += self._sample_rows(logits[i : i + 1], rows[i : i + 1], [req_id], row_mask)
                 except Exception as exc:
                     logger.error("sampling request %s failed: %r", req_id, exc)
                     errors.append(RequestError(req_id, f"sampling failed: {exc!r}"[:500]))
         self.failed.update((e.req_id, e.message) for e in errors)
         return sampled, errors
 
-    def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow], req_ids: list[str]) -> list[SampledToken]:
+    def _without_grammar_failures(
+        self, logits: torch.Tensor, row_req_ids: list[str], errors: list[RequestError]
+    ) -> tuple[torch.Tensor, list[str]]:
+        """Drop the rows of requests whose grammar cannot go on (it failed to compile here, say):
+        each fails alone, with a RequestError appended to `errors`."""
+        if not self.structured:
+            return logits, row_req_ids
+        failed = {r: m for r in dict.fromkeys(row_req_ids) if (m := self.structured.error_of(r)) is not None}
+        if not failed:
+            return logits, row_req_ids
+        errors += [RequestError(r, m) for r, m in failed.items()]
+        keep = [i for i, r in enumerate(row_req_ids) if r not in failed]
+        return logits[keep], [row_req_ids[i] for i in keep]
+
+    def _sample_rows(
+        self, logits: torch.Tensor, rows: list[SamplingRow], req_ids: list[str], bitmask: torch.Tensor | None = None
+    ) -> list[SampledToken]:
         if not rows:
             return []
-        out = self.sampler(logits, rows)
+        out = self.sampler(logits, rows, bitmask)
         return [
             SampledToken(
                 req_id=req_id,
@@ -421,6 +446,7 @@ class ModelRunner:
             errors += [RequestError(r, "the model produced non-finite logits (NaN or Inf)") for r in dict.fromkeys(row_req_ids) if r in bad]
             keep = [i for i, r in enumerate(row_req_ids) if r not in bad]
             logits, row_req_ids = logits[keep], [row_req_ids[i] for i in keep]
+        logits, row_req_ids = self._without_grammar_failures(logits, row_req_ids, errors)
         try:
             sampled = self._verify(logits, row_req_ids, drafts)
         except Exception:
@@ -446,7 +472,8 @@ class ModelRunner:
             state, draft = self.requests[req_id], drafts.get(req_id, [])
             request_drafts.append(draft)
             rows += [SamplingRow(state.sampling, state.token_ids + draft[:j], state.num_prompt_tokens) for j in range(len(draft) + 1)]
-        verified = verify(self.sampler, logits, rows, request_drafts)
+        bitmask = self.structured.bitmask(row_req_ids, drafts) if self.structured else None
+        verified = verify(self.sampler, logits, rows, request_drafts, bitmask)  # masks logits in place
         chosen = [(req_id, token, row) for req_id, (tokens, row_ids) in zip(req_ids, verified) for token, row in zip(tokens, row_ids)]
         row_ids = [row for _, _, row in chosen]
         out = self.sampler.output(logits[row_ids], torch.tensor([t for _, t, _ in chosen], device=logits.device), [rows[r] for r in row_ids])
@@ -460,6 +487,7 @@ class ModelRunner:
             self.requests[req_id].num_computed_tokens += n
         for token in sampled:
             self.requests[token.req_id].append_token(token.token_id)
+            self.structured.accept(token.req_id, token.token_id)
         if plan.scheduled_spec_decode_tokens:  # roll back the rejected drafts
             num_sampled = Counter(token.req_id for token in sampled)
             for req_id, draft in plan.scheduled_spec_decode_tokens.items():

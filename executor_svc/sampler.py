@@ -2,7 +2,9 @@
 
 Order (vLLM's, with transformers' warper order for the filters)::
 
-    raw logits ──▶ logprobs (log_softmax of the raw logits, when asked)
+    raw logits ──▶ grammar mask (structured output: tokens the request's matcher rejects -> -inf)
+        │
+        ├──▶ logprobs (log_softmax of the masked logits, when asked)
         │
         ├─ logit_bias, min_tokens (stop_token_ids masked while too few tokens are generated)
         ├─ repetition penalty   over prompt + output tokens (transformers semantics)
@@ -18,6 +20,10 @@ executor; unseeded rows share one batched draw from the global generator.
 
 Every stage is skipped when no row uses it; the rows that do are handled in one
 vectorized pass, except the seeded draws (one small generator per seeded row).
+
+The grammar mask (`token_bitmask`, from `executor_svc.structured_output`) is applied to
+the logits in place. `min_tokens` never masks the stop tokens of a row whose grammar
+allows nothing else (its grammar is complete): the grammar's end wins.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from executor_svc.structured_output import apply_token_bitmask
 from pagoda.step import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -56,8 +63,10 @@ def position_seed(seed: int, position: int) -> int:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [len(rows), vocab] float32 -> one token per row."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """logits [len(rows), vocab] float32 -> one token per row; `token_bitmask` masks `logits` in place first."""
+        if token_bitmask is not None:
+            apply_token_bitmask(logits, token_bitmask)
         params = [r.params for r in rows]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
@@ -96,7 +105,14 @@ class Sampler:
             )
         if min_tok:
             r, t = zip(*min_tok)
+            constrained = sorted({i for i in r if params[i].constraint is not None})
+            before = logits[constrained] if constrained else None
             logits[_ints(r, device), _ints(t, device)] = -float("inf")
+            if constrained:  # the grammar's end wins over min_tokens (see the module docstring)
+                ended = torch.isinf(logits[constrained]).all(dim=-1)
+                if ended.any():
+                    keep = _ints(constrained, device)[ended]
+                    logits[keep] = before[ended]
         if rep:
             seen = _token_counts([rows[i].token_ids for i in rep], vocab, device) > 0
             penalty = torch.tensor([params[i].repetition_penalty for i in rep], device=device)[:, None]
@@ -127,12 +143,15 @@ class Sampler:
         token_ids[sampled] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
         return token_ids
 
-    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The logits after bias, min_tokens and penalties (the input of argmax or `target_probs`)."""
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow], token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits after the grammar mask (applied to `logits` in place), bias, min_tokens and
+        penalties: the input of argmax or `target_probs`."""
+        if token_bitmask is not None:
+            apply_token_bitmask(logits, token_bitmask)
         return self._process(logits, rows)
 
     def output(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Chosen `token_ids` of the rows of raw `logits`, with the logprobs the rows ask for."""
+        """Chosen `token_ids` of the rows of `logits` (raw, or grammar-masked), with the logprobs the rows ask for."""
         params = [r.params for r in rows]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None

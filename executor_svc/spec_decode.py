@@ -56,14 +56,20 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def verify(
-    sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], draft_token_ids: list[list[int]]
+    sampler: Sampler,
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    draft_token_ids: list[list[int]],
+    token_bitmask: torch.Tensor | None = None,
 ) -> list[tuple[list[int], list[int]]]:
     """Per request: (its tokens, the logits row of each), from `logits` [sum(k + 1), vocab].
 
     `rows[i]` describes logits row i: the request's tokens with the drafts before that
     row appended, so penalties, min_tokens and seeds see the position they sample.
+    `token_bitmask` (structured output: row i's grammar mask after the drafts before it)
+    masks `logits` in place first, so a draft its grammar rejects is never accepted.
     """
-    processed = sampler.process(logits, rows)
+    processed = sampler.process(logits, rows, token_bitmask)
     greedy = [r.params.greedy for r in rows]
     argmax = processed.argmax(dim=-1).tolist()
     sampled = [i for i, g in enumerate(greedy) if not g]

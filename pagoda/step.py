@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.constraint import Constraint
+
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -48,7 +50,9 @@ class SamplingParams:
     Defaults are neutral: every option at its default leaves the logits unchanged.
     `stop_token_ids` holds every token id that would end the sequence (EOS ids unless
     `ignore_eos`, plus the request's own stop ids); the executor masks them while fewer
-    than `min_tokens` tokens have been generated.
+    than `min_tokens` tokens have been generated. `constraint` (structured output): the
+    executor masks every token its grammar matcher rejects, before any other rule
+    (`executor_svc.structured_output`).
     """
 
     temperature: float = 1.0  # 0 = greedy
@@ -64,6 +68,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:

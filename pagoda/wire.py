@@ -6,6 +6,7 @@ nothing is pickled.
 
 from __future__ import annotations
 
+from pagoda.constraint import Constraint, ConstraintKind
 from pagoda.step import (
     BlockCopy,
     CachedRequestData,
@@ -17,6 +18,31 @@ from pagoda.step import (
     StepResult,
 )
 from pagoda.v1 import executor_pb2 as pb
+from pagoda.v1 import generation_pb2 as api_pb
+
+
+def constraint_to_proto(c: Constraint | None, msg: api_pb.Constraint) -> None:
+    """Write `c` into `msg` (a `pagoda.v1.Constraint`, the API's and the step protocol's)."""
+    if c is None:
+        return
+    if c.kind is ConstraintKind.CHOICE:
+        msg.choice.choices.extend(c.choices)
+    elif c.kind is ConstraintKind.JSON_OBJECT:
+        msg.json_object = True
+    else:
+        setattr(msg, c.kind.value, c.value)
+
+
+def constraint_from_proto(msg: api_pb.Constraint) -> Constraint | None:
+    """The constraint `msg` holds; None when its oneof is unset (or json_object is false)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    if kind == "choice":
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(msg.choice.choices))
+    if kind == "json_object":
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    return Constraint(ConstraintKind(kind), getattr(msg, kind))
 
 
 def sampling_to_proto(s: SamplingParams) -> pb.StepSampling:
@@ -36,6 +62,7 @@ def sampling_to_proto(s: SamplingParams) -> pb.StepSampling:
     )
     if s.seed is not None:
         msg.seed = s.seed
+    constraint_to_proto(s.constraint, msg.constraint)
     return msg
 
 
@@ -54,6 +81,7 @@ def sampling_from_proto(msg: pb.StepSampling) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs,
+        constraint=constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None,
     )
 
 

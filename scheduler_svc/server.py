@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.auth import ApiKey, ApiKeyInterceptor, current_tenant, prefix_cache_salt
+from scheduler_svc.constraint_check import ConstraintChecker
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.prompts import MAX_REPLY_BYTES, PromptWorker
@@ -34,10 +35,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.spec = spec
         self.model_name = model_name
         self.prompts = PromptWorker(engine.tokenizer, spec, engine.config.max_model_len, model_dir=model_dir)
+        self.constraints = ConstraintChecker(model_dir or engine.tokenizer.name_or_path)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             params = await self.prompts.generate_params(request)
+            if params.sampling.constraint is not None:
+                await self.constraints.check(params.sampling.constraint)
             params = dataclasses.replace(params, cache_salt=prefix_cache_salt(current_tenant(), params.cache_salt))
             stream = self.engine.submit(params)
         except ServiceError as exc:

@@ -14,17 +14,24 @@ Beam search (`sampling.beam_width` 2..16, `n <= beam_width`) is deterministic: i
 scores raw log-probabilities, so `temperature`, `top_p`, `top_k`, `min_p` and `seed`
 are ignored; penalties, `logit_bias` and stop strings, which would change what it
 computes, are refused.
+
+A structured-output `constraint` gets its cheap checks here (size, JSON where the kind is
+JSON, no beam search, no `ignore_eos`); whether it compiles is checked off the event loop
+by `scheduler_svc.constraint_check` before the request is submitted.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from pagoda.constraint import Constraint, ConstraintKind
 from pagoda.step import SamplingParams
+from pagoda.wire import constraint_from_proto
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.core import fit_error
 from scheduler_svc.errors import InvalidArgument
@@ -40,6 +47,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's bound: +-100 already bans or forces a token
+MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema, regex or grammar; the choices together
+MAX_CHOICES = 1024
 
 # Every float of SamplingParams: NaN and +-Inf are refused for all of them.
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -153,6 +162,7 @@ def check_fields(req: pb.GenerateRequest, spec: ModelSpec, max_model_len: int) -
         raise InvalidArgument("response.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {response.top_logprobs}")
     if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters, got {len(req.cache_salt)}")
+    constraint = check_constraint(req) if req.HasField("constraint") else None
 
     return SamplingParams(
         temperature=temperature,
@@ -168,7 +178,38 @@ def check_fields(req: pb.GenerateRequest, spec: ModelSpec, max_model_len: int) -
         stop_token_ids=tuple(sorted(_eos(stopping, spec) | set(stopping.stop_token_ids))),
         logprobs=response.logprobs or response.top_logprobs > 0,
         top_logprobs=response.top_logprobs,
+        constraint=constraint,
     )
+
+
+def check_constraint(req: pb.GenerateRequest) -> Constraint | None:
+    """The request's constraint after the checks that need no compiler (None: unset)."""
+    constraint = constraint_from_proto(req.constraint)
+    if constraint is None:
+        return None
+    name = constraint.field
+    if constraint.size > MAX_CONSTRAINT_CHARS:
+        raise InvalidArgument(name, f"at most {MAX_CONSTRAINT_CHARS} characters, got {constraint.size}")
+    kind = constraint.kind
+    if kind is ConstraintKind.CHOICE:
+        if not constraint.choices:
+            raise InvalidArgument("constraint.choice.choices", "must not be empty")
+        if len(constraint.choices) > MAX_CHOICES:
+            raise InvalidArgument("constraint.choice.choices", f"at most {MAX_CHOICES}, got {len(constraint.choices)}")
+    elif kind is not ConstraintKind.JSON_OBJECT and not constraint.value.strip():
+        raise InvalidArgument(name, "must not be empty")
+    if kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.STRUCTURAL_TAG):
+        try:
+            json.loads(constraint.value)
+        except ValueError as exc:
+            raise InvalidArgument(name, f"is not valid JSON: {exc}") from None
+    if _beam_width(req) > 1:
+        raise InvalidArgument("constraint", "is not supported with beam search (beam_width > 1)")
+    if req.stopping.ignore_eos:
+        raise InvalidArgument(
+            "stopping.ignore_eos", "cannot be combined with a constraint: a constrained output ends with EOS when its grammar is complete"
+        )
+    return constraint
 
 
 def build_params(

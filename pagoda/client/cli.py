@@ -1,6 +1,7 @@
 """`pagoda`: the command line of the client library (also `python -m pagoda`).
 
     pagoda generate "Once upon a time" --max-tokens 64 --temperature 0
+    pagoda generate "Is it sunny?" --chat --choice yes,no   # also --json-schema FILE, --regex, --grammar FILE
     pagoda chat --system "You are terse."          # interactive; /reset, /exit
     pagoda info                                     # model, executors, blocks, load
     pagoda bench --num-requests 16 --output-len 64  # bench/loadgen.py against --target
@@ -69,6 +70,12 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-id", action="append", type=int, default=[], help="stop token id (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    c = p.add_argument_group("structured output (at most one)").add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE", type=Path, help="the output is JSON matching this JSON Schema file")
+    c.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    c.add_argument("--regex", help="the output matches this regular expression")
+    c.add_argument("--choice", metavar="A,B,C", help="the output is one of these comma-separated strings")
+    c.add_argument("--grammar", metavar="FILE", type=Path, help="the output follows this EBNF (GBNF) grammar file, rule root")
 
 
 def _params(args: argparse.Namespace, **extra) -> GenerateParams:
@@ -77,6 +84,9 @@ def _params(args: argparse.Namespace, **extra) -> GenerateParams:
         min_p=args.min_p, seed=args.seed, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
         min_tokens=args.min_tokens, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+        json_schema=args.json_schema.read_text() if args.json_schema else None, json_object=args.json_object,
+        regex=args.regex, choice=args.choice.split(",") if args.choice else None,
+        grammar=args.grammar.read_text() if args.grammar else None,
         **extra,
     )
 

@@ -15,7 +15,8 @@ same tokens: greedy requests, and seeded ones, because the executor seeds each d
 (seed, absolute position), which is unchanged when received tokens move into the prompt.
 Requests the server would treat differently are not resumed: presence / frequency
 penalties count *output* tokens only, stop strings may be half-matched in text the server
-held back, n > 1 and beam search return several interleaved sequences.
+held back, n > 1 and beam search return several interleaved sequences, and a constraint's
+grammar would start again at the received tokens (now prompt).
 
 Text the server holds back: a token that ends inside a multi-byte character arrives with
 empty text. Its bytes complete only with the next token, which a continuation server would
@@ -59,6 +60,7 @@ def resumable(req: pb.GenerateRequest) -> bool:
         and not s.presence_penalty
         and not s.frequency_penalty
         and not req.stopping.stop
+        and not req.HasField("constraint")
     )
 
 

@@ -1,7 +1,8 @@
 """Typed parameters and results of the client, and their one conversion to and from protobuf.
 
 `GenerateParams` holds every knob of `GenerateRequest` (sampling, stopping, response
-options, priority) as plain Python values; `None` means "the server's default". A stream
+options, priority, a structured-output constraint) as plain Python values; `None` means
+"the server's default". A stream
 yields `Chunk`s: the text delta of one output index with its token ids, their logprobs and,
 on the last chunk of that index, the finish reason.
 """
@@ -9,6 +10,7 @@ on the last chunk of that index, the finish reason.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -69,6 +71,14 @@ class GenerateParams:
     top_logprobs: int = 0
     skip_special_tokens: bool | None = None
     priority: int | None = None
+    # structured output, at most one (vLLM's names): a JSON schema (dict or JSON text), a
+    # regex, an EBNF grammar, any JSON object, one of the choices, an xgrammar structural tag
+    json_schema: Mapping | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    choice: Sequence[str] | None = None
+    structural_tag: Mapping | str | None = None
 
     @classmethod
     def of(cls, params: GenerateParams | None = None, **overrides) -> GenerateParams:
@@ -103,7 +113,27 @@ class GenerateParams:
             req.response.skip_special_tokens = self.skip_special_tokens
         if self.priority is not None:
             req.priority = self.priority
+        self._fill_constraint(req.constraint)
         return req
+
+    def _fill_constraint(self, msg: pb.Constraint) -> None:
+        given = {
+            name: value
+            for name, value in (
+                ("json_schema", self.json_schema), ("regex", self.regex), ("grammar", self.grammar),
+                ("json_object", self.json_object or None), ("choice", self.choice), ("structural_tag", self.structural_tag),
+            )
+            if value is not None
+        }
+        if len(given) > 1:
+            raise ValueError(f"at most one constraint, got {', '.join(sorted(given))}")
+        for name, value in given.items():
+            if name == "choice":
+                msg.choice.choices.extend(value)
+            elif name == "json_object":
+                msg.json_object = True
+            else:
+                setattr(msg, name, value if isinstance(value, str) else json.dumps(value))
 
 
 @dataclass(frozen=True)

@@ -408,7 +408,10 @@ class Scheduler:
             if (
                 num_output_tokens >= request.max_tokens
                 or len(request._all_token_ids) >= max_seq_len
-                or (token_id in request._stop_token_ids and num_output_tokens >= request.sampling.min_tokens)
+                or (
+                    token_id in request._stop_token_ids
+                    and (num_output_tokens >= request.sampling.min_tokens or request.sampling.constraint is not None)
+                )
             ):
                 reason = self._stop_reason(request)
                 if reason is not None:
@@ -644,11 +647,18 @@ class Scheduler:
         return RequestUpdate(request.req_id, sampled, reason)
 
     def _stop_reason(self, request: Request) -> FinishReason | None:
-        """Stop token (once `min_tokens` are out) first, then the length limits."""
+        """Stop token (once `min_tokens` are out) first, then the length limits.
+
+        A constrained request's EOS ends it even before `min_tokens`: the executor lets EOS
+        through early only when the grammar is complete (its end wins over min_tokens).
+        """
         output_token_ids = request.output_token_ids
         num_output_tokens = len(output_token_ids)
         token_id = output_token_ids[-1]
-        if token_id in request._stop_token_ids and num_output_tokens >= request.sampling.min_tokens:
+        if token_id in request._stop_token_ids and (
+            num_output_tokens >= request.sampling.min_tokens
+            or (request.sampling.constraint is not None and token_id in request.eos_token_ids)
+        ):
             return FinishReason.EOS if token_id in request.eos_token_ids else FinishReason.STOP_TOKEN
         if num_output_tokens >= request.max_tokens or len(request._all_token_ids) >= self._max_seq_len:
             return FinishReason.LENGTH

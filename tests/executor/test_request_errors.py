@@ -63,10 +63,10 @@ def test_a_sampler_failure_on_one_row_fails_that_row_alone(tiny_model_dirs, monk
     clean, _ = _run(runner, set())
     original = Sampler.__call__
 
-    def fragile(self, logits, rows):  # fails on any batch holding the request with top_k=7
+    def fragile(self, logits, rows, token_bitmask=None):  # fails on any batch holding the request with top_k=7
         if any(r.params.top_k == 7 for r in rows):
             raise RuntimeError("kernel refused top_k=7")
-        return original(self, logits, rows)
+        return original(self, logits, rows, token_bitmask)
 
     monkeypatch.setattr(Sampler, "__call__", fragile)
     builder = PlanBuilder(num_blocks=64, seed=2)
@@ -155,10 +155,10 @@ def test_with_drafts_one_bad_request_fails_alone(tiny_model_dirs, monkeypatch, f
     else:
         original = mr.verify
 
-        def fragile(sampler, logits, rows, drafts):
+        def fragile(sampler, logits, rows, drafts, token_bitmask=None):
             if [7] in drafts:
                 raise RuntimeError("verification refused the draft [7]")
-            return original(sampler, logits, rows, drafts)
+            return original(sampler, logits, rows, drafts, token_bitmask)
 
         monkeypatch.setattr(mr, "verify", fragile)
     result = step(runner)

@@ -1,0 +1,220 @@
+"""Does a request's constraint compile? Checked before any work, off the event loop, bounded.
+
+A schema, regex or grammar that does not parse or compile is refused with INVALID_ARGUMENT
+naming `constraint.<kind>` and xgrammar's reason. Compiling runs in a child process
+(`_CompileProcess`, started on first use: it imports xgrammar and builds the tokenizer's
+`TokenizerInfo` once, a few seconds), never in the scheduler's own process:
+
+* bounded in time: a compile that takes longer than `timeout_s` is killed with its process
+  (the next one starts a fresh child) and the constraint refused, so a pathological regex
+  costs one child at most `timeout_s` and never the event loop;
+* bounded in memory: the child's address space is capped at what it uses after start-up
+  plus `memory_bytes`; a compile that needs more fails there (refused), not in the scheduler;
+* cached by content (`Constraint.key`, LRU of `cache_entries` verdicts, refusals included),
+  and concurrent checks of one constraint share one compile.
+
+At most `num_processes` compiles run at once; checks beyond `max_pending` waiting get
+RESOURCE_EXHAUSTED. The child and its parent exchange JSON over a pipe (nothing pickled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import resource
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pagoda.constraint import Constraint
+from scheduler_svc.errors import InvalidArgument, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+# Measured on the 2-core test machine: the default model's JSON schemas of a few fields
+# compile in 20-60 ms, a 30-field schema with patterns in 0.8 s; ten seconds is generous
+# for any legitimate grammar and bounds what a pathological one costs.
+COMPILE_TIMEOUT_S = 10.0
+# Above the child's own footprint after start-up (the tokenizer info is ~100 MB).
+COMPILE_MEMORY_BYTES = 2 << 30
+CACHE_ENTRIES = 4096
+CHILD_CACHE_BYTES = 64 << 20  # xgrammar's own cache in the child, within its memory cap
+NUM_PROCESSES = 1
+MAX_PENDING = 256
+START_TIMEOUT_S = 120.0
+
+
+class ConstraintChecker:
+    """`await check(constraint)`: returns when it compiles, else raises InvalidArgument naming it."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        timeout_s: float = COMPILE_TIMEOUT_S,
+        memory_bytes: int = COMPILE_MEMORY_BYTES,
+        num_processes: int = NUM_PROCESSES,
+        cache_entries: int = CACHE_ENTRIES,
+        max_pending: int = MAX_PENDING,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._verdicts: OrderedDict[str, str | None] = OrderedDict()  # key -> None (compiles) or why not
+        self._cache_entries = cache_entries
+        self._in_flight: dict[str, asyncio.Future] = {}
+        self._max_pending = max_pending
+        self._processes = [_CompileProcess(str(model_dir), memory_bytes) for _ in range(num_processes)]
+        self._free: list[_CompileProcess] = list(self._processes)
+        self._free_lock = threading.Lock()
+        self._threads = ThreadPoolExecutor(num_processes, thread_name_prefix="constraint-check")
+        self.num_compiles = 0  # constraints sent to a compile process (cache misses)
+
+    async def check(self, constraint: Constraint) -> None:
+        key = constraint.key
+        if key in self._verdicts:
+            self._verdicts.move_to_end(key)
+            verdict = self._verdicts[key]
+        else:
+            future = self._in_flight.get(key)
+            if future is None:
+                if len(self._in_flight) >= self._max_pending:
+                    raise ResourceExhausted(f"{len(self._in_flight)} constraints are being compiled; retry later")
+                future = self._in_flight[key] = asyncio.ensure_future(self._compile(constraint))
+                future.add_done_callback(lambda _: self._in_flight.pop(key, None))
+            verdict = await asyncio.shield(future)
+        if verdict is not None:
+            raise InvalidArgument(constraint.field, verdict)
+
+    async def _compile(self, constraint: Constraint) -> str | None:
+        self.num_compiles += 1
+        verdict = await asyncio.get_running_loop().run_in_executor(self._threads, self._compile_blocking, constraint)
+        self._verdicts[constraint.key] = verdict
+        while len(self._verdicts) > self._cache_entries:
+            self._verdicts.popitem(last=False)
+        return verdict
+
+    def _compile_blocking(self, constraint: Constraint) -> str | None:
+        with self._free_lock:
+            process = self._free.pop()
+        try:
+            return process.compile(constraint, self.timeout_s)
+        finally:
+            with self._free_lock:
+                self._free.append(process)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        for process in self._processes:
+            process.stop()
+
+
+class _CompileProcess:
+    """One child that compiles constraints one at a time; killed and replaced when it overruns."""
+
+    def __init__(self, model_dir: str, memory_bytes: int) -> None:
+        self.model_dir = model_dir
+        self.memory_bytes = memory_bytes
+        self._proc: multiprocessing.Process | None = None
+        self._conn = None
+
+    def compile(self, constraint: Constraint, timeout_s: float) -> str | None:
+        """None when `constraint` compiles, else why not. Raises Unavailable if no child can start."""
+        self._ensure_started()
+        request = {"kind": constraint.kind.value, "value": constraint.value, "choices": list(constraint.choices)}
+        started = time.monotonic()
+        try:
+            self._conn.send_bytes(json.dumps(request).encode())
+            if not self._conn.poll(timeout_s):
+                log.warning("compiling %s took over %.1f s: killing the compile process", constraint.field, timeout_s)
+                self.stop()
+                return f"does not compile within {timeout_s:g} s (the limit)"
+            reply = json.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            code = self._proc.exitcode if self._proc is not None else None
+            self.stop()
+            log.warning("the compile process died on %s (exit code %s)", constraint.field, code)
+            return f"compiling it ended the compiler (over its {self.memory_bytes >> 20} MiB memory limit?)"
+        log.debug("checked %s in %.1f ms", constraint.field, (time.monotonic() - started) * 1e3)
+        return reply.get("error")
+
+    def _ensure_started(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            return
+        self.stop()
+        context = multiprocessing.get_context("spawn")  # a fork would copy gRPC's and ZeroMQ's threads mid-flight
+        parent, child = context.Pipe()
+        proc = context.Process(
+            target=_child_main, args=(child, self.model_dir, self.memory_bytes), name="constraint-compile", daemon=True
+        )
+        proc.start()
+        child.close()
+        if not parent.poll(START_TIMEOUT_S):
+            proc.kill()
+            raise Unavailable("the constraint compiler did not start; retry")
+        try:
+            ready = json.loads(parent.recv_bytes())
+        except (EOFError, OSError):
+            proc.join(1)
+            raise Unavailable("the constraint compiler failed to start; retry") from None
+        if "error" in ready:
+            proc.kill()
+            raise Unavailable(f"the constraint compiler failed to start: {ready['error']}")
+        self._proc, self._conn = proc, parent
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc = self._conn = None
+
+
+def _child_main(conn, model_dir: str, memory_bytes: int) -> None:
+    """The child: build the compiler, cap the address space, then compile each request it gets."""
+    try:
+        import xgrammar as xgr
+
+        from pagoda.constraint import Constraint, ConstraintKind
+        from pagoda.grammars import compile_constraint, error_message, tokenizer_info
+
+        # One thread: a compile is bounded by one core. The cache stays on, bounded: xgrammar
+        # also caches sub-grammars with it, which makes first compiles faster too (measured:
+        # a 30-field schema with patterns 0.3 s with it, 5.3 s without).
+        compiler = xgr.GrammarCompiler(tokenizer_info(model_dir), max_threads=1, cache_limit_bytes=CHILD_CACHE_BYTES)
+        _cap_address_space(memory_bytes)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which refuses to serve constraints
+        conn.send_bytes(json.dumps({"error": repr(exc)}).encode())
+        return
+    conn.send_bytes(b"{}")
+    while True:
+        try:
+            request = json.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        try:
+            kind = ConstraintKind(request["kind"])
+            constraint = Constraint(kind, request["value"], tuple(request["choices"]))
+            compile_constraint(compiler, constraint)
+            reply = {}
+        except MemoryError:
+            reply = {"error": f"compiling it needs more than {memory_bytes >> 20} MiB (the limit)"}
+        except Exception as exc:  # noqa: BLE001 - xgrammar's errors are the client's answer
+            message = error_message(exc)
+            if "bad_alloc" in message:
+                message = f"compiling it needs more than {memory_bytes >> 20} MiB (the limit)"
+            reply = {"error": f"does not compile: {message}"}
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+def _cap_address_space(memory_bytes: int) -> None:
+    with open("/proc/self/statm") as f:
+        vm_bytes = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = vm_bytes + memory_bytes
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))

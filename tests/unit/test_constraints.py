@@ -1,0 +1,147 @@
+"""Structured-output constraints in the front end: validation, the bounded compile check, the wire form."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pagoda import model_files, wire
+from pagoda.constraint import Constraint, ConstraintKind, choice_grammar
+from pagoda.step import NewRequestData, SamplingParams, StepPlan
+from pagoda.v1 import executor_pb2
+from pagoda.v1 import generation_pb2 as pb
+from scheduler_svc.constraint_check import ConstraintChecker
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.tokenizer import ModelSpec
+from scheduler_svc.validation import check_fields
+
+SPEC = ModelSpec(max_position_embeddings=8192, vocab_size=49152, eos_token_ids=(2,))
+ALL_KINDS = [
+    Constraint.json_schema({"type": "object"}),
+    Constraint.regex(r"\d+"),
+    Constraint.grammar('root ::= "a"'),
+    Constraint.json_object(),
+    Constraint.choice(["yes", 'say "no"']),
+    Constraint.structural_tag('{"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}'),
+]
+
+
+@pytest.mark.parametrize("constraint", ALL_KINDS, ids=lambda c: c.kind.value)
+def test_a_constraint_crosses_the_api_and_the_step_protocol_unchanged(constraint):
+    req = pb.GenerateRequest(text="hi")
+    wire.constraint_to_proto(constraint, req.constraint)
+    req = pb.GenerateRequest.FromString(req.SerializeToString())
+    assert check_fields(req, SPEC, 8192).constraint == constraint
+    sampling = SamplingParams(temperature=0.0, constraint=constraint)
+    plan = StepPlan(1, new_requests=[NewRequestData("a", [1, 2], 1, sampling, [3], 0)], num_scheduled_tokens={"a": 2})
+    data = wire.plan_to_proto(plan).SerializeToString()
+    assert wire.plan_from_proto(executor_pb2.StepPlan.FromString(data)) == plan
+
+
+def test_no_constraint_is_none_and_json_object_false_is_no_constraint():
+    assert check_fields(pb.GenerateRequest(text="hi"), SPEC, 8192).constraint is None
+    req = pb.GenerateRequest(text="hi")
+    req.constraint.json_object = False
+    assert check_fields(req, SPEC, 8192).constraint is None
+
+
+def _refused(req: pb.GenerateRequest) -> str:
+    with pytest.raises(InvalidArgument) as info:
+        check_fields(req, SPEC, 8192)
+    return str(info.value)
+
+
+def test_cheap_checks_name_the_field():
+    req = pb.GenerateRequest(text="hi")
+    req.constraint.json_schema = "{not json"
+    assert _refused(req).startswith("constraint.json_schema: is not valid JSON")
+    req = pb.GenerateRequest(text="hi")
+    req.constraint.regex = ""
+    assert _refused(req).startswith("constraint.regex: must not be empty")
+    req = pb.GenerateRequest(text="hi")
+    req.constraint.choice.SetInParent()
+    assert _refused(req).startswith("constraint.choice.choices: must not be empty")
+    req = pb.GenerateRequest(text="hi")
+    req.constraint.grammar = "x" * (256 * 1024 + 1)
+    assert _refused(req).startswith("constraint.grammar: at most")
+    req = pb.GenerateRequest(text="hi")
+    req.constraint.regex = "a"
+    req.sampling.beam_width = 2
+    assert _refused(req).startswith("constraint: is not supported with beam search")
+    req = pb.GenerateRequest(text="hi")
+    req.constraint.regex = "a"
+    req.stopping.ignore_eos = True
+    assert _refused(req).startswith("stopping.ignore_eos: cannot be combined with a constraint")
+
+
+def test_choice_grammar_escapes_quotes_backslashes_and_newlines():
+    import xgrammar as xgr
+
+    grammar = choice_grammar(['a"b', "c\\d", "e\nf"])
+    assert grammar == 'root ::= "a\\"b" | "c\\\\d" | "e\\nf"'
+    xgr.Grammar.from_ebnf(grammar)  # parses
+
+
+@pytest.fixture(scope="module")
+def checker():
+    checker = ConstraintChecker(model_files.resolve_model(None, weights=False), timeout_s=1.0)
+    yield checker
+    checker.close()
+
+
+def _check(checker: ConstraintChecker, constraint: Constraint) -> str | None:
+    try:
+        asyncio.run(checker.check(constraint))
+    except InvalidArgument as exc:
+        return str(exc)
+    return None
+
+
+def test_constraints_that_do_not_compile_are_refused_with_the_reason(checker):
+    for constraint in ALL_KINDS:
+        assert _check(checker, constraint) is None, constraint
+    bad = {
+        Constraint.json_schema({"type": "foo"}): 'constraint.json_schema: does not compile: Unsupported type "foo"',
+        Constraint.regex("(ab"): "constraint.regex: does not compile: Regex parsing error at position 4: The parenthesis is not closed",
+        Constraint.grammar('root ::= "a" |'): "constraint.grammar: does not compile: EBNF parser error at line 1",
+        Constraint.grammar('rule ::= "a"'): 'constraint.grammar: does not compile: EBNF parser error at line 1, column 1: The root rule with name "root" is not found',
+        Constraint.structural_tag('{"type": "nope"}'): "constraint.structural_tag: does not compile: Invalid structural tag",
+    }
+    for constraint, message in bad.items():
+        got = _check(checker, constraint)
+        assert got is not None and got.startswith(message), got
+
+
+def test_verdicts_are_cached_by_content_and_shared_by_concurrent_checks(checker):
+    schema = Constraint.json_schema({"type": "object", "properties": {"cached": {"type": "boolean"}}})
+    before = checker.num_compiles
+
+    async def many():
+        await asyncio.gather(*(checker.check(Constraint.json_schema(schema.value)) for _ in range(8)))
+
+    asyncio.run(many())
+    assert checker.num_compiles == before + 1
+    started = time.monotonic()
+    assert _check(checker, Constraint(ConstraintKind.JSON_SCHEMA, schema.value)) is None
+    assert checker.num_compiles == before + 1 and time.monotonic() - started < 0.1
+
+
+def test_a_compile_over_the_time_limit_is_killed_and_refused_and_the_next_one_compiles(checker):
+    slow = Constraint.regex("[a-z]{1,2000}")  # measured: 2.4 s to compile on the test machine
+    assert _check(checker, slow) == "constraint.regex: does not compile within 1 s (the limit)"
+    assert _check(checker, slow).endswith("(the limit)")  # cached: not compiled again
+    assert _check(checker, Constraint.regex(r"[0-9]{2}")) is None  # a fresh compile process
+
+
+def test_the_client_sends_at_most_one_constraint():
+    from pagoda.client.types import GenerateParams, build_request
+
+    req = build_request("hi", None, GenerateParams(json_schema={"type": "object"}), "r")
+    assert req.constraint.json_schema == '{"type": "object"}'
+    req = build_request("hi", None, GenerateParams(choice=["a", "b"]), "r")
+    assert list(req.constraint.choice.choices) == ["a", "b"]
+    assert not build_request("hi", None, GenerateParams(), "r").HasField("constraint")
+    with pytest.raises(ValueError, match="at most one constraint, got choice, regex"):
+        build_request("hi", None, GenerateParams(regex="a", choice=["a"]), "r")
