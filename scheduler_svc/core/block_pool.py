@@ -221,15 +221,7 @@ class BlockPool:
     def _record_stored(self, stretch: list[BlockHash], parent_hash: bytes | None, cache_salt: str) -> None:
         if self._events is None or not stretch:
             return
-        self._events.append(
-            BlockStored(
-                block_hashes=tuple(h.hash_value for h in stretch),
-                parent_block_hash=parent_hash,
-                token_ids=tuple(t for h in stretch for t in h.token_ids),
-                block_size=len(stretch[0].token_ids),
-                cache_salt=cache_salt,
-            )
-        )
+        self._events.append(BlockStored(tuple(stretch), parent_hash, cache_salt))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every key from the prefix cache, if no block is in use; False (nothing done) otherwise."""

@@ -140,10 +140,9 @@ class KvEventHub:
         for event in events:
             if isinstance(event, BlockStored):
                 parent = event.parent_block_hash
-                for i, hash_value in enumerate(event.block_hashes):
-                    tokens = event.token_ids[i * event.block_size : (i + 1) * event.block_size]
-                    self._add_copy(held, hash_value, parent, tokens, event.cache_salt)
-                    parent = hash_value
+                for block in event.blocks:
+                    self._add_copy(held, block.hash_value, parent, block.token_ids, event.cache_salt)
+                    parent = block.hash_value
             elif isinstance(event, BlockRemoved):
                 for hash_value in event.block_hashes:
                     self._drop_copy(held, hash_value)
@@ -154,13 +153,13 @@ class KvEventHub:
             self._held.pop(executor_id, None)
         self._schedule_flush()
 
-    def _add_copy(self, held: set[bytes], hash_value: bytes, parent: bytes | None, tokens, salt: str) -> None:
+    def _add_copy(self, held: set[bytes], hash_value: bytes, parent: bytes | None, tokens: tuple[int, ...], salt: str) -> None:
         if hash_value in held:
             return
         held.add(hash_value)
         block = self._blocks.get(hash_value)
         if block is None:
-            block = self._blocks[hash_value] = _Block(parent, tuple(tokens), salt)
+            block = self._blocks[hash_value] = _Block(parent, tokens, salt)
             self._blocks_by_salt[salt] += 1
             self._pending.setdefault(salt, []).append(("stored", hash_value))
         block.copies += 1

@@ -15,11 +15,12 @@ def test_a_prompt_is_stored_as_one_chain_whose_first_block_has_no_parent():
     admit(manager, request)
     compute(manager, request, 6)  # a first chunk, positions 0..5: block 0 is full
     compute(manager, request, 4)  # the rest: block 1 is full, block 2 partial (never cached)
-    hashes = [h.hash_value for h in block_hashes_of(list(range(10)), 4)]
+    keys = block_hashes_of(list(range(10)), 4)
     assert manager.block_pool.take_events() == [
-        BlockStored((hashes[0],), None, (0, 1, 2, 3), 4, ""),
-        BlockStored((hashes[1],), hashes[0], (4, 5, 6, 7), 4, ""),
+        BlockStored((keys[0],), None, ""),
+        BlockStored((keys[1],), keys[0].hash_value, ""),
     ]
+    assert [k.token_ids for k in keys] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert manager.block_pool.take_events() == []  # drained
 
 
@@ -32,8 +33,8 @@ def test_a_shared_prefix_is_stored_once_and_the_continuation_names_it_as_parent(
     second = make_request("b", [1, 2, 3, 4, 9, 9, 7])
     assert admit(manager, second) == 4
     compute(manager, second, 3)
-    hashes = [h.hash_value for h in block_hashes_of([1, 2, 3, 4, 9, 9, 7], 2)]
-    assert manager.block_pool.take_events() == [BlockStored((hashes[2],), hashes[1], (9, 9), 2, "")]
+    keys = block_hashes_of([1, 2, 3, 4, 9, 9, 7], 2)
+    assert manager.block_pool.take_events() == [BlockStored((keys[2],), keys[1].hash_value, "")]
 
 
 def test_salted_blocks_carry_their_salt():
@@ -55,8 +56,8 @@ def test_a_block_whose_key_is_cached_elsewhere_splits_the_stored_run():
     compute(manager, a, 4)
     manager.block_pool.take_events()
     compute(manager, b, 7)  # b's first two blocks are already a's: only its third is new
-    hashes = [h.hash_value for h in block_hashes_of(both + [8, 9, 7], 2)]
-    assert manager.block_pool.take_events() == [BlockStored((hashes[2],), hashes[1], (8, 9), 2, "")]
+    keys = block_hashes_of(both + [8, 9, 7], 2)
+    assert manager.block_pool.take_events() == [BlockStored((keys[2],), keys[1].hash_value, "")]
 
 
 def test_eviction_is_told_and_reset_clears_only_when_no_block_is_in_use():

@@ -13,11 +13,14 @@ from scheduler_svc.vllm_engine.kv_events import FellBehind, KvEventHub, OutOfRan
 
 BS = 2
 TOKENS = [1, 2, 3, 4, 5, 6]
-HASHES = [h.hash_value for h in block_hashes_of(TOKENS, BS)]
+KEYS = block_hashes_of(TOKENS, BS)
+HASHES = [k.hash_value for k in KEYS]
 
 
-def stored(hashes, parent=None, tokens=TOKENS, salt=""):
-    return BlockStored(tuple(hashes), parent, tuple(tokens[: len(hashes) * BS]), BS, salt)
+def stored(hashes, parent=None, salt=""):
+    """BlockStored of the chain `hashes` (keys of KEYS, or of another salt's `keys`)."""
+    by_hash = {k.hash_value: k for k in KEYS + ALICE_KEYS}
+    return BlockStored(tuple(by_hash[h] for h in hashes), parent, salt)
 
 
 def drain(subscription) -> list:
@@ -45,13 +48,14 @@ def events_of(batches) -> list[tuple]:
 
 
 IDS = [block_hash_id(h) for h in HASHES]
+ALICE_KEYS = block_hashes_of(TOKENS, BS, "5:alice|")
 
 
 def test_a_chain_is_stored_with_its_tokens_and_sequence_numbers_run_on():
     hub = KvEventHub(BS)
     sub = hub.subscribe("")
     hub.publish("a", [stored(HASHES[:2])])
-    hub.publish("a", [BlockStored((HASHES[2],), HASHES[1], (5, 6), BS, "")])
+    hub.publish("a", [stored(HASHES[2:], parent=HASHES[1])])
     batches = drain(sub)
     assert [b.sequence_number for b in batches] == [1, 2, 3]  # the snapshot (empty), then one batch per flush
     assert batches[0].snapshot.count == 1 and events_of(batches[:1]) == [("cleared", [], None)]
@@ -77,7 +81,7 @@ def test_a_subscriber_sees_only_the_blocks_of_its_own_salt():
     hub = KvEventHub(BS)
     alice, bob = hub.subscribe("5:alice|"), hub.subscribe("3:bob|")
     drain(alice), drain(bob)
-    alice_hashes = [h.hash_value for h in block_hashes_of(TOKENS, BS, "5:alice|")]
+    alice_hashes = [k.hash_value for k in ALICE_KEYS]
     hub.publish("a", [stored(alice_hashes[:2], salt="5:alice|")])
     assert events_of(drain(alice)) == [("stored", [block_hash_id(h) for h in alice_hashes[:2]], None)]
     assert drain(bob) == []  # another tenant's tokens never reach bob, not even as a batch
@@ -85,7 +89,7 @@ def test_a_subscriber_sees_only_the_blocks_of_its_own_salt():
 
 def test_a_new_subscriber_gets_the_live_blocks_parents_first():
     hub = KvEventHub(BS)
-    hub.publish("a", [stored(HASHES[:1]), BlockStored((HASHES[1],), HASHES[0], (3, 4), BS, "")])
+    hub.publish("a", [stored(HASHES[:1]), stored(HASHES[1:2], parent=HASHES[0])])
     hub.publish("b", [stored(HASHES[:3])])
     hub.publish("a", [BlockRemoved((HASHES[0],))])  # b still holds it
     sub = hub.subscribe("")
