@@ -204,7 +204,11 @@ class BlockPool:
         return True
 
     def cache_full_blocks(
-        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash], parent_hash: bytes | None, cache_salt: str
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        parent_hash: bytes | None,
+        cache_salt: str,
     ) -> None:
         """`cache_full_block` for a run of a request's blocks, `parent_hash` the key before the
         first (None: the first block of the request). Records one BlockStored per stretch of

@@ -153,7 +153,9 @@ class KvEventHub:
             self._held.pop(executor_id, None)
         self._schedule_flush()
 
-    def _add_copy(self, held: set[bytes], hash_value: bytes, parent: bytes | None, tokens: tuple[int, ...], salt: str) -> None:
+    def _add_copy(
+        self, held: set[bytes], hash_value: bytes, parent: bytes | None, tokens: tuple[int, ...], salt: str
+    ) -> None:
         if hash_value in held:
             return
         held.add(hash_value)
@@ -228,7 +230,9 @@ class KvEventHub:
         return common_pb2.KvCacheEvent(event_id=self._event_id, **data)
 
     def _kv_block(self, hash_value: bytes, block: _Block) -> common_pb2.KvBlock:
-        return common_pb2.KvBlock(block_hash=block_hash_id(hash_value), token_ids=block.token_ids, block_size=self.block_size)
+        return common_pb2.KvBlock(
+            block_hash=block_hash_id(hash_value), token_ids=block.token_ids, block_size=self.block_size
+        )
 
     # ---- out: subscriptions -------------------------------------------------------------------
 

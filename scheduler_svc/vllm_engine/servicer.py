@@ -88,7 +88,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             exc = vllm_field_error(exc, request)
             await context.abort(exc.code, exc.message)
             return
-        log.info("request %s (vllm.grpc.engine): %d prompt tokens, n=%d", params.request_id, len(params.prompt_token_ids), params.n)
+        log.info(
+            "request %s (vllm.grpc.engine): %d prompt tokens, n=%d", params.request_id, len(params.prompt_token_ids), params.n
+        )
         sampling = request.sampling_params
         translator = ResponseTranslator(
             stream=request.stream,
@@ -112,7 +114,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         return vpb.AbortResponse()
 
     async def Embed(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: this engine serves a generative model, not embeddings")
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: this engine serves a generative model only")
 
     # ---- facts and load -----------------------------------------------------------------
 
@@ -159,7 +161,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def GetLoads(self, request: vpb.GetLoadsRequest, context) -> vpb.GetLoadsResponse:
         if request.HasField("dp_rank") and request.dp_rank != 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank: this engine has one rank (0), got {request.dp_rank}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank: this engine has one rank (0), got {request.dp_rank}"
+            )
         # `include` names optional sections (disagg, queues, memory): Pagoda has none beyond the core
         return vpb.GetLoadsResponse(
             timestamp=datetime.now(timezone.utc).isoformat(),
@@ -170,7 +174,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def GetTokenizer(self, request, context):
         if self.model_dir is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this server was started without a tokenizer directory")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "started without a tokenizer directory")
         try:
             data, sha256 = await tokenizer_bundle(self.model_dir)
         except OSError as exc:
@@ -184,22 +188,28 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     async def FlushCache(self, request: common_pb2.FlushCacheRequest, context) -> common_pb2.FlushCacheResponse:
         timeout_s = request.timeout_s
         if not math.isfinite(timeout_s) or timeout_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be finite and >= 0, got {timeout_s}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be finite and >= 0, got {timeout_s}"
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             if self.engine.reset_prefix_cache():
                 return common_pb2.FlushCacheResponse(success=True, message="every executor's prefix cache is empty")
             if time.monotonic() >= deadline:
                 return common_pb2.FlushCacheResponse(
-                    success=False, message="requests are in flight: not flushed (timeout_s waits for the scheduler to go idle)"
+                    success=False,
+                    message="requests are in flight: not flushed (timeout_s waits for the scheduler to go idle)",
                 )
             await asyncio.sleep(FLUSH_RETRY_S)
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest, context):
         if not self.engine.config.enable_prefix_caching:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "prefix caching is off (--no-enable-prefix-caching): no KV events")
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "prefix caching is off (--no-enable-prefix-caching): no KV events"
+            )
         try:
-            subscription = self.kv_events.subscribe(prefix_cache_salt(current_tenant(), ""), request.start_sequence_number)
+            salt = prefix_cache_salt(current_tenant(), "")  # what this caller's VllmEngine requests get
+            subscription = self.kv_events.subscribe(salt, request.start_sequence_number)
         except OutOfRange as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
             return
@@ -219,7 +229,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     if heartbeat is not None:
                         yield heartbeat
                 elif request.load_records_before_first_batch and time.monotonic() - last_load_only >= HEARTBEAT_INTERVAL:
-                    last_load_only = time.monotonic()  # load-only batches numbered 0 until the first batch
+                    last_load_only = time.monotonic()  # until the first batch: load-only ones numbered 0
                     yield common_pb2.KvEventBatch(sequence_number=0, timestamp=time.time(), load=self._load_only())
         except FellBehind as exc:
             await context.abort(grpc.StatusCode.DATA_LOSS, f"{exc}: clear this worker and resubscribe from 0")
@@ -234,7 +244,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     # ---- not served ---------------------------------------------------------------------
 
     async def StartProfile(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StartProfile: no profiler in this engine (bench/profile_step_loop.py profiles offline)")
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "StartProfile: no profiler in this engine (bench/profile_step_loop.py profiles)"
+        )
 
     async def StopProfile(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile: no profiler in this engine")
@@ -262,4 +274,5 @@ def add_vllm_engine(
     """Serve VllmEngine on `server`, its KV events fed by `engine` (which it subscribes to)."""
     hub = KvEventHub(engine.config.block_size)
     engine.on_kv_events = hub.publish
-    vpb_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(engine, spec, model_name, model_dir, prompts, hub), server)
+    servicer = VllmEngineServicer(engine, spec, model_name, model_dir, prompts, hub)
+    vpb_grpc.add_VllmEngineServicer_to_server(servicer, server)
