@@ -140,4 +140,3 @@ def test_gateway_component_targets_the_scheduler_service(tree):
     assert env(gateway)["PAGODA_TARGET"] == "pagoda-scheduler:50051"
     assert container(gateway)["readinessProbe"]["httpGet"]["path"] == "/health"
     assert ("Service", "pagoda-gateway") in objects
-
