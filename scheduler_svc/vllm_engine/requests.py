@@ -118,8 +118,9 @@ def constraint_for(params: vpb.SamplingParams) -> None:
     vLLM's `StructuredOutputsParams` kinds map one to one onto `pagoda.v1.Constraint`'s (DESIGN.md):
     json_schema, regex, grammar, structural_tag, json_object, choice (`choices`). Until that
     message is in `pagoda.v1`, every kind is UNIMPLEMENTED, naming it. Wiring it: return the
-    `pb.Constraint` here, and `to_pagoda_request` copies it into `out.constraint` (its
-    `constraint.<kind>` errors then map to `sampling_params.<kind>` in `_FIELD_NAMES`).
+    `pb.Constraint` here (choice: `pb.Choice(choices=...)`), `to_pagoda_request` copies it into
+    `out.constraint`, `_FIELD_PREFIXES` maps `constraint.` to `sampling_params.`, and the
+    servicer's Generate runs the same compile check as pagoda.v1's before engine.submit.
     `grammar_from_first_token` needs no mapping: Pagoda runs no reasoning parser, so a grammar
     always starts at the first generated token, which is what the flag asks for.
     """
