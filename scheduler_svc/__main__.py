@@ -216,7 +216,7 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
     engine.start()
     await server.start()
     log.info(
-        "serving pagoda.v1.Generation on %s:%d (%s, %s); executors connect to %s (%s)",
+        "serving pagoda.v1.Generation and vllm.grpc.engine.VllmEngine on %s:%d (%s, %s); executors connect to %s (%s)",
         args.host, port, "TLS" + (" with client certificates" if args.ssl_ca_certs else "") if credentials else "plaintext",
         f"{len(api_keys)} API keys" if api_keys else "no API key required",
         engine.pool.link.endpoint, "CURVE" if link_keys else "plaintext",

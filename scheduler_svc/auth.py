@@ -1,7 +1,7 @@
 """Who may call pagoda.v1.Generation: API keys (with tenants) and TLS for the gRPC server.
 
 API keys. `--api-key KEY` (repeatable) and `--api-key-file PATH` (lines `key` or `key tenant`;
-`#` comments) make every pagoda.v1.Generation RPC require metadata
+`#` comments) make every pagoda.v1.Generation and vllm.grpc.engine.VllmEngine RPC require metadata
 `authorization: Bearer <key>`; without one, or with an unknown one, the RPC ends with
 UNAUTHENTICATED before the servicer runs. grpc.health.v1 and server reflection stay open,
 so load balancers and probes need no key. A key is compared with every configured key
@@ -30,7 +30,8 @@ import grpc
 
 log = logging.getLogger(__name__)
 
-PROTECTED_PREFIX = "/pagoda.v1.Generation/"
+# The services whose every RPC needs a key (the engine protocol serves the same requests).
+PROTECTED_PREFIXES = ("/pagoda.v1.Generation/", "/vllm.grpc.engine.VllmEngine/")
 _TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("pagoda_tenant", default="")
 
 
@@ -85,7 +86,7 @@ def _bearer(metadata) -> bytes | None:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for pagoda.v1.Generation RPCs without a known key; the rest pass."""
+    """UNAUTHENTICATED for RPCs of PROTECTED_PREFIXES without a known key; the rest pass."""
 
     def __init__(self, keys: list[ApiKey]):
         if not keys:
@@ -102,7 +103,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(PROTECTED_PREFIX):
+        if handler is None or not handler_call_details.method.startswith(PROTECTED_PREFIXES):
             return handler
         tenant = self.tenant_of(_bearer(handler_call_details.invocation_metadata))
         if tenant is None:
@@ -127,7 +128,7 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
 
         return grpc.unary_unary_rpc_method_handler(refuse, **codecs)
-    raise TypeError("pagoda.v1.Generation has only unary-unary and unary-stream RPCs")
+    raise TypeError("the protected services have only unary-unary and unary-stream RPCs")
 
 
 def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodHandler:
@@ -150,7 +151,7 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodH
             return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary, **codecs)
-    raise TypeError("pagoda.v1.Generation has only unary-unary and unary-stream RPCs")
+    raise TypeError("the protected services have only unary-unary and unary-stream RPCs")
 
 
 def server_credentials(certfile: str | None, keyfile: str | None, ca_certs: str | None) -> grpc.ServerCredentials | None:

@@ -38,7 +38,7 @@ from pagoda.link_security import LinkKeys
 from pagoda.step import StepPlan, StepResult
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.client_stream import ClientStream
-from scheduler_svc.core import FinishReason, Request, SchedulerStats, fit_error
+from scheduler_svc.core import AllBlocksCleared, FinishReason, KVCacheEvent, Request, SchedulerStats, fit_error
 from scheduler_svc.errors import AlreadyExists, Internal, InvalidArgument, ResourceExhausted, Unavailable
 from scheduler_svc.executor_pool import (  # noqa: F401  (re-exported: the engine's public config)
     DEFAULT_CPU_STEP_BUDGET,
@@ -101,6 +101,8 @@ class Engine:
         self.requests: dict[str, list[SampleOwner] | list[BeamOwner]] = {}  # client request id -> owners
         self.owners = Owners()  # core request id -> owner
         self.on_health_change: Callable[[bool], None] = lambda serving: None
+        # (executor id, its prefix cache's events), after each step: the KV-event stream's source
+        self.on_kv_events: Callable[[str, list[KVCacheEvent]], None] = lambda executor_id, events: None
         self._tasks: list[asyncio.Task] = []
         self._strikes: dict[str, int] = {}  # client request id -> failed executors it was in a step of
         self.draining = False  # set on SIGTERM: streams in flight finish, new requests are refused
@@ -162,6 +164,21 @@ class Engine:
 
     def num_waiting(self) -> int:
         return sum(h.scheduler.num_waiting for h in self.pool.alive) + self.queue.num_requests
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty every executor's prefix cache if no request is anywhere (True); else change nothing."""
+        busy = any(h.scheduler.has_unfinished() or h.scheduler.num_steps_in_flight for h in self.pool.alive)
+        if self.requests or self.queue.entries or busy:
+            return False
+        for handle in self.pool.alive:
+            handle.scheduler.reset_prefix_cache()
+            self._publish_kv_events(handle)
+        return True
+
+    def _publish_kv_events(self, handle: ExecutorHandle) -> None:
+        events = handle.scheduler.take_kv_events()
+        if events:
+            self.on_kv_events(handle.executor_id, events)
 
     def snapshot(self) -> EngineSnapshot:
         """The live figures, for metrics and GetServerInfo."""
@@ -263,6 +280,7 @@ class Engine:
         Poison-pill guard: a request in a step in flight on a failed executor gets a strike;
         at MAX_EXECUTOR_LOSSES it ends with INTERNAL instead of bringing down another one.
         """
+        self.on_kv_events(handle.executor_id, [AllBlocksCleared()])  # its cache went with it
         struck: set[str] = set()
         for request in requests:
             owner = self.owners.get(request.req_id)
@@ -358,6 +376,7 @@ class Engine:
             if owner.done:
                 self._close(owner.stream)
         self.metrics.observe_spec_decode(scheduler.take_spec_decode_stats())
+        self._publish_kv_events(handle)
         for request in scheduler.take_movable():
             self.queue.push([request])
         self._dispatch()

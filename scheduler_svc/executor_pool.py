@@ -246,6 +246,7 @@ class ExecutorPool:
                 max_model_len=self.config.max_model_len,
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 speculative=self.config.speculative,
+                enable_kv_cache_events=self.config.enable_prefix_caching,  # drained every step (Engine._update)
             )
         )
         handle = ExecutorHandle(executor_id, msg.device, core, last_seen=time.monotonic(), weight_bytes=msg.weight_bytes)

@@ -1,4 +1,5 @@
-"""The gRPC adapter: pagoda.v1.Generation, grpc.health.v1 and server reflection over the Engine.
+"""The gRPC adapter: pagoda.v1.Generation, vllm.grpc.engine.VllmEngine (scheduler_svc/vllm_engine),
+grpc.health.v1 and server reflection over the Engine.
 
 API keys and TLS (scheduler_svc/auth.py) wrap the server; health and reflection need no key.
 """
@@ -22,6 +23,8 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.prompts import MAX_REPLY_BYTES, PromptWorker
 from scheduler_svc.tokenizer import ModelSpec
+from scheduler_svc.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE
+from scheduler_svc.vllm_engine import add_vllm_engine
 
 log = logging.getLogger(__name__)
 
@@ -113,19 +116,24 @@ async def build_server(
     server = grpc.aio.server(
         interceptors=[ApiKeyInterceptor(list(api_keys))] if api_keys else None, options=grpc_options(max_request_bytes)
     )
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, spec, model_name, model_dir), server)
+    generation = GenerationServicer(engine, spec, model_name, model_dir)
+    pb_grpc.add_GenerationServicer_to_server(generation, server)
+    add_vllm_engine(server, engine, spec, model_name, model_dir, generation.prompts)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, VLLM_ENGINE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
     )
 
     def set_serving(serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        asyncio.ensure_future(health_servicer.set(SERVICE_NAME, status))
+        for name in (SERVICE_NAME, VLLM_ENGINE_SERVICE):
+            asyncio.ensure_future(health_servicer.set(name, status))
 
     engine.on_health_change = set_serving
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in (SERVICE_NAME, VLLM_ENGINE_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     return server, port

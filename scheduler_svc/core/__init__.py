@@ -7,14 +7,19 @@ are adapters around `Scheduler.add_requests` / `schedule` / `update_from_output`
 from scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
 from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig, fit_error
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats, SpecDecodeStats
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 
 __all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
     "BlockPool",
     "FinishReason",
     "KVCacheBlock",
+    "KVCacheEvent",
     "KVCacheManager",
     "Request",
     "RequestStatus",

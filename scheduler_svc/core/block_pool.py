@@ -18,13 +18,17 @@ free queue (nothing is ever put before it), so the pool keeps only a count of th
 makes each one when it is first allocated. Creating a pool is O(1) whatever its size (an
 executor registering 3 million blocks used to hold the event loop for ~10 s); `blocks`
 holds the blocks made so far, ids 0..len-1.
+
+With `enable_kv_cache_events` the pool records what enters and leaves the prefix cache
+(`core/kv_events.py`) until `take_events()` drains them: a router follows the real cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from scheduler_svc.core.block_hash import BlockHash
+from scheduler_svc.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 class KVCacheBlock:
@@ -115,7 +119,7 @@ class BlockPool:
     first so that, in LRU order, a prefix outlives its continuations.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.enable_caching = enable_caching
@@ -124,6 +128,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self._free_queue = FreeBlockQueue(())  # free blocks that were handed out before
         self._cached: dict[bytes, KVCacheBlock] = {}
+        self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events and enable_caching else None
 
     @property
     def num_total_blocks(self) -> int:
@@ -198,10 +203,54 @@ class BlockPool:
         self._cached[block_hash.hash_value] = block
         return True
 
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        parent_hash: bytes | None,
+        cache_salt: str,
+    ) -> None:
+        """`cache_full_block` for a run of a request's blocks, `parent_hash` the key before the
+        first (None: the first block of the request). Records one BlockStored per stretch of
+        blocks newly cached (a block whose key another block holds breaks the stretch)."""
+        stretch: list[BlockHash] = []
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if self.cache_full_block(block, block_hash):
+                stretch.append(block_hash)
+                continue
+            self._record_stored(stretch, parent_hash, cache_salt)
+            stretch, parent_hash = [], block_hash.hash_value
+        self._record_stored(stretch, parent_hash, cache_salt)
+
+    def _record_stored(self, stretch: list[BlockHash], parent_hash: bytes | None, cache_salt: str) -> None:
+        if self._events is None or not stretch:
+            return
+        self._events.append(BlockStored(tuple(stretch), parent_hash, cache_salt))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every key from the prefix cache, if no block is in use; False (nothing done) otherwise."""
+        if self.num_free_blocks != self.num_total_blocks:
+            return False
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first ([] when events are off)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
         del self._cached[block.block_hash.hash_value]
+        if self._events is not None:
+            self._events.append(BlockRemoved((block.block_hash.hash_value,)))
         block.block_hash = None
 
     def check_integrity(self) -> None:

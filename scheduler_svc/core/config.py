@@ -66,6 +66,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None  # None: no drafts
+    enable_kv_cache_events: bool = False  # record prefix-cache events (`Scheduler.take_kv_events`)
 
     def __post_init__(self) -> None:
         minimums = {
@@ -79,10 +80,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= {minimum}, got {value!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                f"SchedulerConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
-            )
+        for name in ("enable_prefix_caching", "enable_kv_cache_events"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SchedulerConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def num_usable_blocks(self) -> int:

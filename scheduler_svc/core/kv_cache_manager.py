@@ -30,12 +30,15 @@ from scheduler_svc.core.request import Request
 class KVCacheManager:
     """Owns the block tables of one executor's requests; `BlockPool` owns the blocks."""
 
-    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, block_size: int, num_blocks: int, enable_prefix_caching: bool, enable_kv_cache_events: bool = False
+    ) -> None:
+        """`enable_kv_cache_events`: the pool records its cache's events (`BlockPool.take_events`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, enable_kv_cache_events)
         self._block_tables: dict[str, list[KVCacheBlock]] = {}
         self._num_hashed_blocks: dict[str, int] = {}
         self._block_hashes: dict[str, list[BlockHash]] = {}
@@ -198,8 +201,8 @@ class KVCacheManager:
         if num_full <= start:
             return
         table, hashes = self._block_tables[request.req_id], self._hashes(request)
-        for index in range(start, num_full):
-            self.block_pool.cache_full_block(table[index], hashes[index])
+        parent = hashes[start - 1].hash_value if start else None
+        self.block_pool.cache_full_blocks(table[start:num_full], hashes[start:num_full], parent, request.cache_salt)
         self._num_hashed_blocks[request.req_id] = num_full
 
     def cache_full_blocks_of(self, requests: Iterable[Request]) -> None:

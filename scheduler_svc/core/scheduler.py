@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pagoda.step import BlockCopy, CachedRequestData, NewRequestData, SampledToken, StepPlan, StepResult
 from scheduler_svc.core.config import SchedulerConfig, cdiv, fit_error
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.kv_events import KVCacheEvent
 from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats, SpecDecodeStats
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.sibling_groups import SiblingGroups
@@ -92,7 +93,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._max_seq_len = config.max_seq_len
-        self.kv_cache_manager = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            config.block_size, config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events
+        )
         self.num_preemptions = 0
         self._requests: dict[str, Request] = {}
         self._order: dict[str, tuple[int, float, int]] = {}
@@ -284,6 +287,16 @@ class Scheduler:
     def pending_finished_req_ids(self) -> tuple[str, ...]:
         """Ids the executor still holds that the next plan tells it to drop."""
         return tuple(self._finished_req_ids)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's events since the last call ([] unless `enable_kv_cache_events`)."""
+        return self.kv_cache_manager.block_pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache if no request is here (True), else change nothing (False)."""
+        if self._requests or self._in_flight:
+            return False
+        return self.kv_cache_manager.block_pool.reset_prefix_cache()
 
     def take_spec_decode_stats(self) -> SpecDecodeStats:
         """The speculative decoding counts since the last call (for metrics)."""

@@ -83,6 +83,29 @@ def test_scheduler_has_grpc_probes_and_executors_reach_it_before_it_is_ready(tre
         executor["spec"]["template"]["metadata"]["labels"].items()
 
 
+def test_router_component_puts_smg_in_front_of_replicas_whose_grpc_port_only_it_reaches(tree):
+    docs = render(tree, "cpu-router")
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    objects = by_kind_name(docs)
+    replica, router = objects[("Deployment", "pagoda-replica")], objects[("Deployment", "pagoda-router")]
+    scheduler, executor = replica["spec"]["template"]["spec"]["containers"]
+    link = {e["name"]: e["value"] for e in scheduler["env"]}["PAGODA_EXECUTOR_BIND"]
+    assert link == "tcp://127.0.0.1:5557" == {e["name"]: e["value"] for e in executor["env"]}["PAGODA_SCHEDULER"]
+    assert scheduler["readinessProbe"]["grpc"] == {"port": 50051, "service": "vllm.grpc.engine.VllmEngine"}
+    args = container(router)["args"]
+    selector = args[args.index("--selector") + 1 : args.index("--selector") + 3]
+    labels = replica["spec"]["template"]["metadata"]["labels"]
+    assert all(labels[key] == value for key, value in (pair.split("=", 1) for pair in selector))
+    assert "--backend=vllm" in args and "--api-key=$(SMG_API_KEY)" in args and "--service-discovery" in args
+    assert router["spec"]["template"]["spec"]["serviceAccountName"] == "pagoda-router"
+    assert objects[("Role", "pagoda-router")]["rules"][0]["resources"] == ["pods"]
+    assert objects[("Service", "pagoda-router")]["spec"]["ports"][0]["port"] == 8080
+    policy = objects[("NetworkPolicy", "pagoda-replica")]["spec"]
+    grpc_rule = next(r for r in policy["ingress"] if r["ports"] == [{"protocol": "TCP", "port": 50051}])
+    assert grpc_rule["from"] == [{"podSelector": {"matchLabels": router["spec"]["template"]["metadata"]["labels"]}}]
+
+
 def test_both_services_mount_the_generated_cluster_secret(tree):
     docs = render(tree, "cpu")
     secrets = [d for d in docs if d["kind"] == "Secret"]

@@ -1,4 +1,5 @@
-"""The gRPC API's protections (issue #13): API keys, TLS and mutual TLS, tenant isolation of the prefix cache.
+"""The gRPC API's protections (issue #13): API keys, TLS and mutual TLS, tenant isolation of the prefix cache
+(for pagoda.v1.Generation and vllm.grpc.engine.VllmEngine alike).
 
 Certificates are made in the test (tests/service/certs.py). The TLS service also requires
 API keys from a key file with tenants, so the same scheduler shows all three at once.
@@ -6,12 +7,16 @@ API keys from a key file with tenants, so the same scheduler shows all three at 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from smg_grpc_proto import vllm_engine_pb2 as vpb
+from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+from smg_grpc_proto.generated import common_pb2
 
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
@@ -138,3 +143,65 @@ def _wait_model_info(stub, timeout: float = 120.0) -> pb.ModelInfo:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+# ---- vllm.grpc.engine.VllmEngine: the same keys, and KV events only of the caller's tenant ----
+
+VLLM_RPCS = {
+    "Generate": lambda stub, **kw: list(stub.Generate(
+        vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]),
+                            sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=2)), **kw)),
+    "Abort": lambda stub, **kw: stub.Abort(vpb.AbortRequest(request_ids=["x"]), **kw),
+    "HealthCheck": lambda stub, **kw: stub.HealthCheck(vpb.HealthCheckRequest(), **kw),
+    "GetModelInfo": lambda stub, **kw: stub.GetModelInfo(vpb.GetModelInfoRequest(), **kw),
+    "GetServerInfo": lambda stub, **kw: stub.GetServerInfo(vpb.GetServerInfoRequest(), **kw),
+    "GetLoads": lambda stub, **kw: stub.GetLoads(vpb.GetLoadsRequest(), **kw),
+    "GetTokenizer": lambda stub, **kw: list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), **kw)),
+    "FlushCache": lambda stub, **kw: stub.FlushCache(common_pb2.FlushCacheRequest(), **kw),
+}
+
+
+def vllm_stub_with(svc: Service, pki, key: str | None) -> vpb_grpc.VllmEngineStub:
+    return vpb_grpc.VllmEngineStub(svc.open_channel(channel_credentials(str(pki.ca)), key))
+
+
+@pytest.mark.parametrize("rpc", sorted(VLLM_RPCS))
+def test_every_vllm_engine_rpc_needs_a_valid_key(service, pki, rpc):
+    for key in (None, "wrong-key-0123456789abcdef"):
+        with pytest.raises(grpc.RpcError) as err:
+            VLLM_RPCS[rpc](vllm_stub_with(service, pki, key), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (rpc, key)
+    VLLM_RPCS[rpc](vllm_stub_with(service, pki, BOB), timeout=60)
+
+
+def stored_token_ids(batches) -> list[tuple[int, ...]]:
+    return [tuple(block.token_ids) for batch in batches for event in batch.events if event.HasField("stored")
+            for block in event.stored.blocks]
+
+
+def test_kv_events_show_a_tenant_only_its_own_blocks(service, pki):
+    """A subscriber's stream holds the tokens of cached blocks: never another tenant's."""
+    batches: list = []
+    call = vllm_stub_with(service, pki, ALICE).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=120)
+
+    def read():
+        try:
+            for batch in call:
+                batches.append(batch)
+        except grpc.RpcError:
+            pass  # cancelled below
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    bob_prompt = [(i * 53) % 900 + 2000 for i in range(64)]
+    alice_prompt = [(i * 59) % 900 + 3000 for i in range(64)]
+    for key, prompt in ((BOB, bob_prompt), (ALICE, alice_prompt)):
+        collect(stub_with(service, pki, key).Generate(greedy_request(prompt_ids=prompt, max_tokens=2), timeout=120))
+    deadline = time.monotonic() + 30
+    while tuple(alice_prompt[:16]) not in stored_token_ids(batches) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    call.cancel()
+    reader.join(10)
+    seen = stored_token_ids(batches)
+    assert tuple(alice_prompt[:16]) in seen and tuple(alice_prompt[16:32]) in seen
+    assert not any(block == tuple(bob_prompt[i:i + 16]) for block in seen for i in range(0, 64, 16))
