@@ -17,12 +17,14 @@ from grpc_reflection.v1alpha import reflection
 
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.auth import ApiKey, ApiKeyInterceptor, current_tenant, prefix_cache_salt
 from scheduler_svc.constraint_check import ConstraintChecker
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.prompts import MAX_REPLY_BYTES, PromptWorker
 from scheduler_svc.tokenizer import ModelSpec
+from scheduler_svc.validation import GenerateParams
 from scheduler_svc.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE
 from scheduler_svc.vllm_engine import add_vllm_engine
 
@@ -40,13 +42,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.prompts = PromptWorker(engine.tokenizer, spec, engine.config.max_model_len, model_dir=model_dir)
         self.constraints = ConstraintChecker(model_dir or engine.tokenizer.name_or_path)
 
+    async def submit(self, request: pb.GenerateRequest) -> tuple[GenerateParams, ClientStream]:
+        """Validate and tokenize `request`, check its constraint compiles, then submit it under the
+        caller's tenant; ServiceError (naming the field) before any work otherwise.
+
+        The one admission path of both APIs (`vllm.grpc.engine` translates its requests to ours first).
+        """
+        params = await self.prompts.generate_params(request)
+        if params.sampling.constraint is not None:
+            await self.constraints.check(params.sampling.constraint)
+        params = dataclasses.replace(params, cache_salt=prefix_cache_salt(current_tenant(), params.cache_salt))
+        return params, self.engine.submit(params)
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            params = await self.prompts.generate_params(request)
-            if params.sampling.constraint is not None:
-                await self.constraints.check(params.sampling.constraint)
-            params = dataclasses.replace(params, cache_salt=prefix_cache_salt(current_tenant(), params.cache_salt))
-            stream = self.engine.submit(params)
+            params, stream = await self.submit(request)
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
             return
@@ -118,7 +128,7 @@ async def build_server(
     )
     generation = GenerationServicer(engine, spec, model_name, model_dir)
     pb_grpc.add_GenerationServicer_to_server(generation, server)
-    add_vllm_engine(server, engine, spec, model_name, model_dir, generation.prompts)
+    add_vllm_engine(server, engine, spec, model_name, model_dir, generation)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

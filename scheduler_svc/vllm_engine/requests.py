@@ -22,8 +22,8 @@ router trims the text). The router detokenizes: the response carries token ids o
 
 What Pagoda cannot do is refused before any work, naming the field: multimodal inputs,
 prefill/decode KV transfer, `prompt_logprobs`, `logprobs = -1` (all tokens), a data-parallel
-rank other than 0 (the scheduler is one rank; it balances its executors itself), and, until
-structured output lands in `pagoda.v1`, the `constraint` oneof (`constraint_for`). Accepted
+rank other than 0 (the scheduler is one rank; it balances its executors itself). The
+`constraint` oneof is Pagoda's structured output (`constraint_for`). Accepted
 and without effect: `tokenized.original_text` (for reference, the protocol says) and
 `spaces_between_special_tokens` (an option of slow tokenizers' decoding; Pagoda's are fast
 and the response carries ids).
@@ -70,7 +70,9 @@ def to_pagoda_request(req: vpb.GenerateRequest, max_model_len: int) -> pb.Genera
         out.text = req.text
     else:
         raise InvalidArgument("input", "one of tokenized or text is required")
-    constraint_for(params)
+    constraint = constraint_for(params)
+    if constraint is not None:
+        out.constraint.CopyFrom(constraint)
 
     sampling = out.sampling
     if params.HasField("temperature"):
@@ -112,22 +114,22 @@ def to_pagoda_request(req: vpb.GenerateRequest, max_model_len: int) -> pb.Genera
     return out
 
 
-def constraint_for(params: vpb.SamplingParams) -> None:
-    """STRUCTURED OUTPUT, TO WIRE (issue 22): the `constraint` oneof as `pagoda.v1.Constraint`.
+def constraint_for(params: vpb.SamplingParams) -> pb.Constraint | None:
+    """The `constraint` oneof as `pagoda.v1.Constraint` (None when absent).
 
-    vLLM's `StructuredOutputsParams` kinds map one to one onto `pagoda.v1.Constraint`'s (DESIGN.md):
-    json_schema, regex, grammar, structural_tag, json_object, choice (`choices`). Until that
-    message is in `pagoda.v1`, every kind is UNIMPLEMENTED, naming it. Wiring it: return the
-    `pb.Constraint` here (choice: `pb.Choice(choices=...)`), `to_pagoda_request` copies it into
-    `out.constraint`, `_FIELD_PREFIXES` maps `constraint.` to `sampling_params.`, and the
-    servicer's Generate runs the same compile check as pagoda.v1's before engine.submit.
-    `grammar_from_first_token` needs no mapping: Pagoda runs no reasoning parser, so a grammar
-    always starts at the first generated token, which is what the flag asks for.
+    vLLM's `StructuredOutputsParams` kinds map one to one onto `pagoda.v1.Constraint`'s:
+    json_schema, regex, grammar, structural_tag, json_object, choice (`choices`). The compile
+    check runs in the admission path shared with pagoda.v1 (its errors name `constraint.<kind>`,
+    renamed `sampling_params.<kind>` here). `grammar_from_first_token` needs no mapping: Pagoda
+    runs no reasoning parser, so a grammar always starts at the first generated token, which is
+    what the flag asks for.
     """
     kind = params.WhichOneof("constraint")
-    if kind is not None:
-        raise Unimplemented(f"sampling_params.{kind}", "structured output is not served by this engine yet")
-    return None
+    if kind is None:
+        return None
+    if kind == "choice":
+        return pb.Constraint(choice=pb.Choice(choices=params.choice.choices))
+    return pb.Constraint(**{kind: getattr(params, kind)})
 
 
 def _refuse_unserved(req: vpb.GenerateRequest) -> None:
@@ -170,7 +172,9 @@ _FIELD_NAMES = {
     "prompt.token_ids": "tokenized.input_ids",
     "prompt.text": "text",
 }
-_FIELD_PREFIXES = (("sampling.", "sampling_params."), ("stopping.", "sampling_params."))
+_FIELD_PREFIXES = (
+    ("sampling.", "sampling_params."), ("stopping.", "sampling_params."), ("constraint.", "sampling_params."),
+)
 
 
 def vllm_field_error(error: ServiceError, req: vpb.GenerateRequest) -> ServiceError:

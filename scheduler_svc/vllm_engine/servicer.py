@@ -24,13 +24,13 @@ TLS and message limits (the server's interceptor and options cover both), so SMG
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2 as vpb
@@ -40,17 +40,26 @@ from smg_grpc_servicer.load_record import HEARTBEAT_INTERVAL, LoadRecorder
 from smg_grpc_servicer.tokenizer_bundle import tokenizer_bundle, tokenizer_chunks
 
 from pagoda import __version__
+from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.auth import current_tenant, prefix_cache_salt
+from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServiceError
-from scheduler_svc.prompts import PromptWorker
 from scheduler_svc.tokenizer import ModelSpec
+from scheduler_svc.validation import GenerateParams
 from scheduler_svc.vllm_engine.kv_events import FellBehind, KvEventHub, OutOfRange
 from scheduler_svc.vllm_engine.loads import LoadReader
 from scheduler_svc.vllm_engine.requests import to_pagoda_request, vllm_field_error
 from scheduler_svc.vllm_engine.responses import ResponseTranslator
 
 log = logging.getLogger(__name__)
+
+
+class Admission(Protocol):
+    """pagoda.v1's admission (`scheduler_svc.server.GenerationServicer.submit`): validation,
+    tokenization, the constraint's compile check and the tenant's cache salt, then `engine.submit`."""
+
+    async def submit(self, request: pb.GenerateRequest) -> tuple[GenerateParams, ClientStream]: ...
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # What a FlushCache with timeout_s 0 waits at most (vLLM's servicer bounds its one attempt alike).
@@ -59,16 +68,16 @@ FLUSH_RETRY_S = 0.05
 
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     def __init__(
-        self, engine: Engine, spec: ModelSpec, model_name: str, model_dir: Path | str | None, prompts: PromptWorker,
+        self, engine: Engine, spec: ModelSpec, model_name: str, model_dir: Path | str | None, admission: Admission,
         kv_events: KvEventHub,
     ):
-        """`model_dir`: the tokenizer's directory (None: GetTokenizer fails); `prompts`: the Generation
-        servicer's (one tokenizer pool); `kv_events`: fed by `engine.on_kv_events`."""
+        """`model_dir`: the tokenizer's directory (None: GetTokenizer fails); `admission`: the Generation
+        servicer's (one tokenizer pool, one constraint checker, one tenant rule); `kv_events`: fed by `engine.on_kv_events`."""
         self.engine = engine
         self.spec = spec
         self.model_name = model_name
         self.model_dir = Path(model_dir) if model_dir is not None else None
-        self.prompts = prompts
+        self.admission = admission
         self.kv_events = kv_events
         self.loads = LoadReader(engine)
         self.start_time = time.time()
@@ -81,9 +90,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.last_receive_time = time.time()
         max_model_len = self.engine.config.max_model_len
         try:
-            params = await self.prompts.generate_params(to_pagoda_request(request, max_model_len))
-            params = dataclasses.replace(params, cache_salt=prefix_cache_salt(current_tenant(), params.cache_salt))
-            stream = self.engine.submit(params)
+            params, stream = await self.admission.submit(to_pagoda_request(request, max_model_len))
         except ServiceError as exc:
             exc = vllm_field_error(exc, request)
             await context.abort(exc.code, exc.message)
@@ -269,10 +276,10 @@ def _token_id(value) -> int:
 
 def add_vllm_engine(
     server: grpc.aio.Server, engine: Engine, spec: ModelSpec, model_name: str, model_dir: Path | str | None,
-    prompts: PromptWorker,
+    admission: Admission,
 ) -> None:
     """Serve VllmEngine on `server`, its KV events fed by `engine` (which it subscribes to)."""
     hub = KvEventHub(engine.config.block_size)
     engine.on_kv_events = hub.publish
-    servicer = VllmEngineServicer(engine, spec, model_name, model_dir, prompts, hub)
+    servicer = VllmEngineServicer(engine, spec, model_name, model_dir, admission, hub)
     vpb_grpc.add_VllmEngineServicer_to_server(servicer, server)

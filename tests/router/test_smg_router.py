@@ -177,13 +177,27 @@ def test_vllm_engine_generate_is_pagodas_generate(schedulers):
     assert list(final.output_ids) == want["outputs"][0]["token_ids"]
 
 
+def test_vllm_engine_constraints_are_pagodas_structured_output(schedulers):
+    svc = schedulers[0]
+    ids = list(svc.stub.Tokenize(pb.TokenizeRequest(text=PROMPT), timeout=10).token_ids)
+    choices = ["alpha", "beta", "gamma"]
+    want_req = greedy_request(prompt_ids=ids, max_tokens=16)
+    want_req.constraint.choice.choices.extend(choices)
+    want = collect(svc.stub.Generate(want_req, timeout=120))["outputs"][0]
+    assert want["text"] in choices
+    final = completes(
+        vllm_generate(svc, ids, stream=False, temperature=0.0, max_tokens=16, choice=vpb.ChoiceConstraint(choices=choices))
+    )[0]
+    assert list(final.output_ids) == want["token_ids"] and final.finish_reason == "stop"
+
+
 @pytest.mark.parametrize(
     "sampling, code, field",
     [
         (dict(top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_p"),
         (dict(max_tokens=100_000), grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.max_tokens"),
         (dict(logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.logprobs"),
-        (dict(regex="[ab]+"), grpc.StatusCode.UNIMPLEMENTED, "sampling_params.regex"),
+        (dict(regex="[ab"), grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.regex"),
         (dict(prompt_logprobs=1), grpc.StatusCode.UNIMPLEMENTED, "sampling_params.prompt_logprobs"),
     ],
 )

@@ -72,6 +72,31 @@ def test_text_input_is_tokenized_by_pagoda():
 
 
 @pytest.mark.parametrize(
+    "sampling, expected",
+    [
+        (dict(json_schema='{"type": "object"}'), pb.Constraint(json_schema='{"type": "object"}')),
+        (dict(regex="a+"), pb.Constraint(regex="a+")),
+        (dict(grammar="root ::= 'a'"), pb.Constraint(grammar="root ::= 'a'")),
+        (dict(structural_tag="{}"), pb.Constraint(structural_tag="{}")),
+        (dict(json_object=True), pb.Constraint(json_object=True)),
+        (dict(choice=vpb.ChoiceConstraint(choices=["a", "b"])), pb.Constraint(choice=pb.Choice(choices=["a", "b"]))),
+    ],
+)
+def test_the_constraint_oneof_becomes_pagodas_structured_output(sampling, expected):
+    out = to_pagoda_request(request(**sampling), 64)
+    assert out.HasField("constraint") and out.constraint == expected
+
+
+def test_a_request_without_a_constraint_has_none():
+    assert not to_pagoda_request(request(), 64).HasField("constraint")
+
+
+def test_constraint_errors_name_the_protocols_field():
+    error = vllm_field_error(InvalidArgument("constraint.regex", "does not compile: bad"), request(regex="("))
+    assert error.message == "sampling_params.regex: does not compile: bad"
+
+
+@pytest.mark.parametrize(
     "field, req, code",
     [
         ("mm_inputs", vpb.GenerateRequest(mm_inputs=vpb.MultimodalInputs(im_token_id=1)), grpc.StatusCode.UNIMPLEMENTED),
@@ -82,12 +107,6 @@ def test_text_input_is_tokenized_by_pagoda():
         ("data_parallel_rank", vpb.GenerateRequest(data_parallel_rank=1), grpc.StatusCode.INVALID_ARGUMENT),
         ("sampling_params.prompt_logprobs", request(prompt_logprobs=1), grpc.StatusCode.UNIMPLEMENTED),
         ("sampling_params.logprobs", request(logprobs=-1), grpc.StatusCode.INVALID_ARGUMENT),
-        ("sampling_params.json_schema", request(json_schema="{}"), grpc.StatusCode.UNIMPLEMENTED),
-        ("sampling_params.regex", request(regex="a+"), grpc.StatusCode.UNIMPLEMENTED),
-        ("sampling_params.grammar", request(grammar="root ::= 'a'"), grpc.StatusCode.UNIMPLEMENTED),
-        ("sampling_params.structural_tag", request(structural_tag="{}"), grpc.StatusCode.UNIMPLEMENTED),
-        ("sampling_params.json_object", request(json_object=True), grpc.StatusCode.UNIMPLEMENTED),
-        ("sampling_params.choice", request(choice=vpb.ChoiceConstraint(choices=["a"])), grpc.StatusCode.UNIMPLEMENTED),
         ("sampling_params.logit_bias", request(logit_bias={-3: 1.0}), grpc.StatusCode.INVALID_ARGUMENT),
         ("sampling_params.top_p", request(top_p=float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
         ("input", vpb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
