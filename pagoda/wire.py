@@ -9,6 +9,7 @@ from __future__ import annotations
 from pagoda.step import (
     BlockCopy,
     CachedRequestData,
+    KVCacheGroupSpec,
     NewRequestData,
     RequestError,
     SampledToken,
@@ -57,6 +58,25 @@ def sampling_from_proto(msg: pb.StepSampling) -> SamplingParams:
     )
 
 
+def kv_cache_groups_to_proto(groups: tuple[KVCacheGroupSpec, ...]) -> list[pb.KVCacheGroup]:
+    return [pb.KVCacheGroup(layer_ids=g.layer_ids, sliding_window=g.sliding_window or 0) for g in groups]
+
+
+def kv_cache_groups_from_proto(msgs) -> tuple[KVCacheGroupSpec, ...]:
+    """The registered groups; none is one full-attention group (an executor that names no layers)."""
+    if not msgs:
+        return (KVCacheGroupSpec(layer_ids=()),)
+    return tuple(KVCacheGroupSpec(tuple(m.layer_ids), m.sliding_window or None) for m in msgs)
+
+
+def _other_groups(block_ids: tuple[list[int], ...]) -> list[pb.BlockIds]:
+    return [pb.BlockIds(block_ids=ids) for ids in block_ids[1:]] if len(block_ids) > 1 else []
+
+
+def _per_group(first, others) -> tuple[list[int], ...]:
+    return (list(first), *(list(ids.block_ids) for ids in others)) if others else (list(first),)
+
+
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
     return pb.StepPlan(
         step_id=plan.step_id,
@@ -66,13 +86,18 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 token_ids=r.token_ids,
                 num_prompt_tokens=r.num_prompt_tokens,
                 sampling=sampling_to_proto(r.sampling),
-                block_ids=r.block_ids,
+                block_ids=r.block_ids[0],
                 num_computed_tokens=r.num_computed_tokens,
+                group_block_ids=_other_groups(r.block_ids),
             )
             for r in plan.new_requests
         ],
         cached_requests=[
-            pb.CachedRequest(req_id=r.req_id, new_block_ids=r.new_block_ids)
+            pb.CachedRequest(
+                req_id=r.req_id,
+                new_block_ids=r.new_block_ids[0],
+                group_new_block_ids=_other_groups(r.new_block_ids),
+            )
             for r in plan.cached_requests
         ],
         num_scheduled_tokens=plan.num_scheduled_tokens,
@@ -93,13 +118,13 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
                 token_ids=list(r.token_ids),
                 num_prompt_tokens=r.num_prompt_tokens,
                 sampling=sampling_from_proto(r.sampling),
-                block_ids=list(r.block_ids),
+                block_ids=_per_group(r.block_ids, r.group_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
             )
             for r in msg.new_requests
         ],
         cached_requests=[
-            CachedRequestData(req_id=r.req_id, new_block_ids=list(r.new_block_ids))
+            CachedRequestData(req_id=r.req_id, new_block_ids=_per_group(r.new_block_ids, r.group_new_block_ids))
             for r in msg.cached_requests
         ],
         num_scheduled_tokens=dict(msg.num_scheduled_tokens),
