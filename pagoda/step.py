@@ -25,6 +25,11 @@ sliding-window layer never reads::
     full attention   [ b1 | b2 | b3 | b4 ]
     sliding window   [ 0  | b6 | b7 | b8 ]      b5 (positions 0-3) was freed
 
+A plan does not announce the blocks freed from a running request's table (its next new
+request data would show them as 0): the executor's table keeps their old ids, which may
+already hold another request's KV, and the block tables it builds for a step give the
+null block for every block wholly before the window of the step's first query.
+
 Each step the executor computes `token_ids[num_computed : num_computed + num_scheduled]`
 for every scheduled request; a request whose computed count then reaches
 `len(token_ids)` gets one sampled token, which the executor appends. A request absent

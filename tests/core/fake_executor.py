@@ -212,9 +212,12 @@ def assert_views_agree(scheduler: Scheduler, executor: FakeExecutor) -> None:
         # entry keeps its old id (never read), where the scheduler's is the null block
         tables = manager.block_ids(req_id)
         assert [len(t) for t in state.block_ids] == [len(t) for t in tables], req_id
-        for held, planned in zip(state.block_ids, tables):
+        for held, planned, window in zip(state.block_ids, tables, executor.windows):
             assert all(p in (0, h) for h, p in zip(held, planned)), (req_id, held, planned)
             executor.num_windows_freed += any(p == 0 and h != 0 for h, p in zip(held, planned))
+            # the scheduler still holds every block the next query reads (its freed ones may be reused)
+            first_read = 0 if window is None else max(request.num_computed_tokens - window + 1, 0)
+            assert 0 not in planned[first_read // executor.block_size :], (req_id, window, request.num_computed_tokens, planned)
 
 
 def run_to_completion(
