@@ -143,13 +143,12 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     """A request the executor already holds: only the blocks added since the last step,
-    one list per KV cache group (every group's table grows by the same number of entries)."""
+    one list per KV cache group (every group's table grows by the same number of entries).
+    Built every step for every running request, so not normalised: `per_group` reads a flat
+    list as the one group's."""
 
     req_id: str
     new_block_ids: tuple[list[int], ...]
-
-    def __post_init__(self) -> None:
-        self.new_block_ids = per_group(self.new_block_ids)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pagoda.step import (
     SamplingParams,
     StepPlan,
     StepResult,
+    per_group,
 )
 from pagoda.v1 import executor_pb2 as pb
 
@@ -77,6 +78,13 @@ def _per_group(first, others) -> tuple[list[int], ...]:
     return (list(first), *(list(ids.block_ids) for ids in others)) if others else (list(first),)
 
 
+def _cached_request_to_proto(r: CachedRequestData) -> pb.CachedRequest:
+    ids = per_group(r.new_block_ids)  # (a flat list is the one group's)
+    if len(ids) == 1:
+        return pb.CachedRequest(req_id=r.req_id, new_block_ids=ids[0])
+    return pb.CachedRequest(req_id=r.req_id, new_block_ids=ids[0], group_new_block_ids=_other_groups(ids))
+
+
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
     return pb.StepPlan(
         step_id=plan.step_id,
@@ -92,12 +100,10 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
             )
             for r in plan.new_requests
         ],
-        cached_requests=[
-            pb.CachedRequest(
-                req_id=r.req_id,
-                new_block_ids=r.new_block_ids[0],
-                group_new_block_ids=_other_groups(r.new_block_ids),
-            )
+        cached_requests=[  # (one KV cache group inline: every running request, every step)
+            pb.CachedRequest(req_id=r.req_id, new_block_ids=ids[0])
+            if type(ids := r.new_block_ids) is tuple and len(ids) == 1
+            else _cached_request_to_proto(r)
             for r in plan.cached_requests
         ],
         num_scheduled_tokens=plan.num_scheduled_tokens,

@@ -83,6 +83,8 @@ class KVCacheManager:
         return tuple([block.block_id for block in table] for table in tables)
 
     def no_block_ids(self) -> tuple[list[int], ...]:
+        if self._num_groups == 1:  # (the common case, in every decode step of every request)
+            return ([],)
         return tuple([] for _ in range(self._num_groups))
 
     def req_ids(self) -> set[str]:
@@ -141,6 +143,9 @@ class KVCacheManager:
         """
         tables = self._block_tables.get(request.req_id)
         size = self.block_size
+        if tables is not None and not new_computed_blocks and not self._sliding:  # the common case first:
+            if request.num_computed_tokens + num_new_tokens <= len(tables[0]) * size:  # a decode within its block
+                return ([],) if self._num_groups == 1 else self.no_block_ids()
         num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
         if tables is not None:
             if num_hit:
@@ -151,7 +156,7 @@ class KVCacheManager:
                 self._free_skipped(tables, first_read)
             num_held = len(tables[0])
             num_tokens = num_computed + num_new_tokens
-            if num_tokens <= num_held * size:  # the common case: a decode within its last block
+            if num_tokens <= num_held * size:
                 return self.no_block_ids()
             num_new_blocks = cdiv(num_tokens, size) - num_held
             if num_new_blocks * self._num_groups > self.block_pool.num_free_blocks:
