@@ -277,7 +277,7 @@ class ExecutorPool:
             return f"num_kv_blocks {msg.num_kv_blocks} is too small"
         if msg.num_kv_blocks > self.config.max_kv_blocks:
             return f"num_kv_blocks {msg.num_kv_blocks} exceeds the scheduler's --max-kv-blocks {self.config.max_kv_blocks}"
-        return _kv_cache_groups_problem(msg.kv_cache_groups)
+        return kv_cache_groups_problem(msg.kv_cache_groups)
 
     def on_heartbeat(self, executor_id: str, msg: xpb.Heartbeat) -> None:
         handle = self.executors.get(executor_id)
@@ -328,7 +328,7 @@ class ExecutorPool:
                 self.kill(handle, f"no heartbeat for {now - handle.last_seen:.1f} s")
 
 
-def _kv_cache_groups_problem(groups) -> str:
+def kv_cache_groups_problem(groups) -> str:
     """Why a Register's KV cache groups cannot be served ("" if they can): bounded, each layer once."""
     if len(groups) > MAX_KV_CACHE_GROUPS:
         return f"kv_cache_groups: {len(groups)} groups, at most {MAX_KV_CACHE_GROUPS}"
