@@ -48,6 +48,7 @@ class KVCacheManager:
         block_size: int,
         num_blocks: int,
         enable_prefix_caching: bool,
+        *,
         kv_cache_groups: Sequence[KVCacheGroupSpec] = FULL_ATTENTION,
     ) -> None:
         if block_size < 1:

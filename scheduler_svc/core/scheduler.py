@@ -93,7 +93,7 @@ class Scheduler:
         self.config = config
         self._max_seq_len = config.max_seq_len
         self.kv_cache_manager = KVCacheManager(
-            config.block_size, config.num_blocks, config.enable_prefix_caching, config.kv_cache_groups
+            config.block_size, config.num_blocks, config.enable_prefix_caching, kv_cache_groups=config.kv_cache_groups
         )
         # The blocks of a request's next steps: through `_allocate` when sliding windows are freed
         self._allocate_slots = self._allocate if self.kv_cache_manager.frees_outside_windows else self.kv_cache_manager.allocate_slots

@@ -40,7 +40,7 @@ def compute(manager: KVCacheManager, request, num_tokens: int):
 def test_sliding_window_blocks_are_freed_as_the_request_runs():
     """window 6, block_size 4: the query at position p reads p - 5 .. p, so block i is freed
     once the next query is past position 4 i + 3 + 5."""
-    manager = KVCacheManager(4, 40, False, (FULL, sliding(6)))
+    manager = KVCacheManager(4, 40, False, kv_cache_groups=(FULL, sliding(6)))
     request = make_request("a", list(range(9)))
     assert manager.allocate_slots(request, 9) == ([1, 2, 3], [4, 5, 6])
     request.num_computed_tokens = 9
@@ -62,7 +62,7 @@ def test_sliding_window_blocks_are_freed_as_the_request_runs():
 
 def test_a_sliding_window_request_holds_only_its_window():
     """A one-group sliding-window model (Mistral's): held blocks stay bounded however long it runs."""
-    manager = KVCacheManager(4, 12, False, (sliding(8, 0),))
+    manager = KVCacheManager(4, 12, False, kv_cache_groups=(sliding(8, 0),))
     request = make_request("a", [1, 2, 3])
     compute(manager, request, 3)
     for _ in range(200):
@@ -76,7 +76,7 @@ def test_a_sliding_window_request_holds_only_its_window():
 def test_sliding_window_hit_needs_only_the_window_before_it():
     """The early blocks of a sliding-window group are freed and then evicted, yet a second
     request with the same prompt hits all but its last block: the window is still cached."""
-    manager = KVCacheManager(2, 12, True, (sliding(3, 0),))
+    manager = KVCacheManager(2, 12, True, kv_cache_groups=(sliding(3, 0),))
     prompt = list(range(20))
     first = make_request("a", prompt)
     for _ in range(10):
@@ -100,7 +100,7 @@ def test_hybrid_hit_is_the_longest_prefix_every_group_accepts():
     """Full attention needs every block, the sliding window only its window: as the freed
     blocks are evicted tail first, the hit falls back to the longest point whose window and
     prefix are both still cached."""
-    manager = KVCacheManager(2, 20, True, (FULL, sliding(3)))
+    manager = KVCacheManager(2, 20, True, kv_cache_groups=(FULL, sliding(3)))
     prompt = list(range(12))
     first = make_request("a", prompt)
     compute(manager, first, 12)
@@ -159,7 +159,7 @@ def test_sliding_window_fits_far_longer_sequences():
 
 
 def test_integrity_check_catches_a_window_freed_too_early():
-    manager = KVCacheManager(2, 20, False, (FULL, sliding(4)))
+    manager = KVCacheManager(2, 20, False, kv_cache_groups=(FULL, sliding(4)))
     request = make_request("a", list(range(10)))
     compute(manager, request, 10)
     request.append_output_token(0)
