@@ -42,7 +42,15 @@ from executor_svc.quant.gguf_linear import GGUFLinear
 from executor_svc.sampler import Sampler, SamplingRow
 from executor_svc.spec_decode import verify
 from pagoda.model_files import fingerprint, gguf_source
-from pagoda.step import KVCacheGroupSpec, NewRequestData, RequestError, SampledToken, SamplingParams, StepPlan, StepResult
+from pagoda.step import (
+    KVCacheGroupSpec,
+    NewRequestData,
+    RequestError,
+    SampledToken,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +214,8 @@ class ModelRunner:
         self._fingerprint = fingerprint(self.model_dir)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
-        self.batch = InputBatch(
-            self.max_model_len, block_size, self._device, sliding_windows=tuple(g.sliding_window for g in self.kv_cache_groups)
-        )
+        windows = tuple(g.sliding_window for g in self.kv_cache_groups)
+        self.batch = InputBatch(self.max_model_len, block_size, self._device, sliding_windows=windows)
         self.failed: dict[str, str] = {}  # req id -> why it failed alone; not computed again (see sample)
         if num_kv_blocks is None:
             if kv_memory_bytes is None:
@@ -318,7 +325,9 @@ class ModelRunner:
         if plan.total_num_scheduled_tokens == 0:
             return StepResult(step_id=plan.step_id, errors=earlier_errors), {}
         inputs = self.prepare_inputs(plan)
-        hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.model_meta, self.attention)
+        hidden, residual = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.model_meta, self.attention
+        )
         per_request: dict[str, torch.Tensor] = {}
         if all_logits:
             logits_all = self.model.compute_logits(hidden, residual)

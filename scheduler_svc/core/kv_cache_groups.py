@@ -43,7 +43,9 @@ class FullAttentionGroup:
     def num_skipped_blocks(self, next_query_position: int) -> int:
         return 0
 
-    def find_longest_cache_hit(self, pool: BlockPool, hashes: Sequence[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(
+        self, pool: BlockPool, hashes: Sequence[BlockHash], max_blocks: int
+    ) -> list[KVCacheBlock]:
         """The cached blocks of the longest prefix of at most `max_blocks` blocks."""
         blocks = []
         for block_hash in hashes[:max_blocks]:
@@ -64,7 +66,9 @@ class SlidingWindowGroup:
         """Leading blocks wholly before the window of a query at `next_query_position` (and every later one)."""
         return max(next_query_position - self.sliding_window + 1, 0) // self.block_size
 
-    def find_longest_cache_hit(self, pool: BlockPool, hashes: Sequence[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(
+        self, pool: BlockPool, hashes: Sequence[BlockHash], max_blocks: int
+    ) -> list[KVCacheBlock]:
         """Nulls, then the cached blocks of the window before the longest hit of at most `max_blocks` blocks.
 
         A hit ending at block h needs blocks h - need .. h - 1 cached (need = cdiv(W - 1,

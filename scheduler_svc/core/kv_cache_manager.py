@@ -389,12 +389,14 @@ class KVCacheManager:
         holders: Counter[int] = Counter()
         for req_id, tables in self._block_tables.items():
             if len(tables) != self._num_groups or len({len(table) for table in tables}) != 1:
-                raise AssertionError(f"{req_id!r} has tables of lengths {[len(t) for t in tables]} for {self._num_groups} groups")
+                lengths = [len(table) for table in tables]
+                raise AssertionError(f"{req_id!r} has tables of lengths {lengths} for {self._num_groups} groups")
             ids: list[int] = []
             for group, table in zip(self._groups, tables):
                 num_null = _num_leading_nulls(table, null)
                 if num_null and group.sliding_window is None or any(block is null for block in table[num_null:]):
-                    raise AssertionError(f"group {group.group_id} of {req_id!r} holds the null block: {[b.block_id for b in table]}")
+                    ids_held = [block.block_id for block in table]
+                    raise AssertionError(f"group {group.group_id} of {req_id!r} holds the null block: {ids_held}")
                 ids += [block.block_id for block in table[num_null:]]
             if len(set(ids)) != len(ids):
                 raise AssertionError(f"tables of {req_id!r} repeat a block: {ids}")
@@ -407,8 +409,11 @@ class KVCacheManager:
         for request in requests:
             tables = self._block_tables.get(request.req_id)
             for group in self._sliding if tables else ():
-                if _num_leading_nulls(tables[group.group_id], null) > group.num_skipped_blocks(request.num_computed_tokens):
-                    raise AssertionError(f"group {group.group_id} of {request.req_id!r} freed blocks its next query reads")
+                num_skipped = group.num_skipped_blocks(request.num_computed_tokens)
+                if _num_leading_nulls(tables[group.group_id], null) > num_skipped:
+                    raise AssertionError(
+                        f"group {group.group_id} of {request.req_id!r} freed blocks its next query reads"
+                    )
 
 
 def _num_leading_nulls(table: Sequence[KVCacheBlock], null: KVCacheBlock) -> int:

@@ -96,7 +96,9 @@ class Scheduler:
             config.block_size, config.num_blocks, config.enable_prefix_caching, kv_cache_groups=config.kv_cache_groups
         )
         # The blocks of a request's next steps: through `_allocate` when sliding windows are freed
-        self._allocate_slots = self._allocate if self.kv_cache_manager.frees_outside_windows else self.kv_cache_manager.allocate_slots
+        self._allocate_slots = (
+            self._allocate if self.kv_cache_manager.frees_outside_windows else self.kv_cache_manager.allocate_slots
+        )
         self.num_preemptions = 0
         self._requests: dict[str, Request] = {}
         self._order: dict[str, tuple[int, float, int]] = {}

@@ -17,7 +17,7 @@ from hypothesis.stateful import invariant
 from pagoda.step import KVCacheGroupSpec
 from scheduler_svc.core import KVCacheManager, Scheduler, SchedulerConfig
 
-from .fake_executor import FakeExecutor, make_request, run_to_completion, step
+from .fake_executor import FakeExecutor, make_request, run_to_completion
 from .test_async_scheduling import AheadSchedulerMachine
 from .test_scheduler_properties import VOCAB_SIZE, SchedulerMachine, check_outputs, kv_cache_groups, request_groups
 
