@@ -9,6 +9,12 @@ indexing ops, never rebuilt from Python lists:
     input_ids[t]  = token_ids[row[seq(t)], position[t]]
     slot[t]       = block_table[row[seq(t)], position[t] // B] * B + position[t] % B
 
+A model with several KV cache groups (`executor_svc.kv_cache_spec`) has one block table
+per group, all of one length per row, and a step gathers a slot mapping and a block table
+per group. In a sliding-window group (window W) the step's table gives the null block for
+every block wholly before the window of the row's first query, `num_computed - W + 1`:
+the scheduler freed those without a word (`pagoda.step`), so their ids here are stale.
+
 The gathered arrays land in staging buffers that are reused step after step; on CUDA those
 are pinned, so the copies to the device are asynchronous (`non_blocking`). Rows are not
 compacted: a step gathers the rows it schedules, in the order it wants (decodes first).
@@ -20,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pagoda.step import per_group
 
 
 class BatchError(ValueError):
@@ -34,12 +42,21 @@ class Gathered:
     query_lens: np.ndarray  # [S]
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T]
+    slot_mappings: tuple[np.ndarray, ...]  # per KV cache group: [T]
     query_start_loc: np.ndarray  # [S + 1]
     seq_lens: np.ndarray  # [S]
-    block_table: np.ndarray  # [S, num_cols]
+    block_tables: tuple[np.ndarray, ...]  # per KV cache group: [S, num_cols]
     sampled: np.ndarray  # [num sampled requests] indices into the batch order
     logits_indices: np.ndarray  # [num sampled + drafts] rows of the flat batch that get logits
+
+    @property
+    def slot_mapping(self) -> np.ndarray:
+        """The first (for a model with only full attention, the one) group's."""
+        return self.slot_mappings[0]
+
+    @property
+    def block_table(self) -> np.ndarray:
+        return self.block_tables[0]
 
 
 class _Staging:
@@ -58,22 +75,37 @@ class _Staging:
 
 
 class InputBatch:
-    def __init__(self, max_model_len: int, block_size: int, device: torch.device, initial_rows: int = 16) -> None:
+    def __init__(
+        self,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        initial_rows: int = 16,
+        sliding_windows: tuple[int | None, ...] = (None,),
+    ) -> None:
+        """`sliding_windows`: one per KV cache group, None for full attention."""
         self.block_size = block_size
+        self.sliding_windows = tuple(sliding_windows)
         self.device = device
         self._pin = device.type == "cuda" and torch.cuda.is_available()
         self._width = max(int(max_model_len), 1)
         self._max_blocks = -(-self._width // block_size)
         self.token_ids = np.zeros((initial_rows, self._width), dtype=np.int64)
-        self.block_table = np.zeros((initial_rows, self._max_blocks), dtype=np.int32)
+        self.block_tables = [np.zeros((initial_rows, self._max_blocks), dtype=np.int32) for _ in self.sliding_windows]
         self.num_tokens = np.zeros(initial_rows, dtype=np.int64)
         self.num_computed = np.zeros(initial_rows, dtype=np.int64)
         self.num_blocks = np.zeros(initial_rows, dtype=np.int64)
         self._free = list(range(initial_rows - 1, -1, -1))  # a stack: the lowest row is reused first
         self._staging = _Staging(self._pin)
 
+    @property
+    def block_table(self) -> np.ndarray:
+        """The first (for a model with only full attention, the one) group's rows."""
+        return self.block_tables[0]
+
     # -- rows ------------------------------------------------------------------------------
-    def add(self, token_ids: list[int], block_ids: list[int], num_computed: int) -> int:
+    def add(self, token_ids: list[int], block_ids: tuple[list[int], ...], num_computed: int) -> int:
+        """A row for a new request; `block_ids` one list per KV cache group."""
         if not self._free:
             self._grow_rows()
         row = self._free.pop()
@@ -96,12 +128,20 @@ class InputBatch:
         self.num_tokens[:] = self.num_computed[:] = self.num_blocks[:] = 0
         self._free = list(range(rows - 1, -1, -1))
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+    def append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        """Append one list of block ids per KV cache group, all of one length."""
+        block_ids = per_group(block_ids)
+        if len(block_ids) != len(self.block_tables) or len({len(ids) for ids in block_ids}) > 1:
+            raise BatchError(
+                f"block ids for {len(block_ids)} groups of lengths {[len(ids) for ids in block_ids]}: "
+                f"expected {len(self.block_tables)} of one length"
+            )
         start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        if end > self.block_table.shape[1]:
+        end = start + len(block_ids[0])
+        if end > self._max_blocks:
             raise BatchError(f"{end} blocks: more than max_model_len {self._width} needs ({self._max_blocks})")
-        self.block_table[row, start:end] = block_ids
+        for table, ids in zip(self.block_tables, block_ids):
+            table[row, start:end] = ids
         self.num_blocks[row] = end
 
     def append_token(self, row: int, token_id: int) -> None:
@@ -122,7 +162,7 @@ class InputBatch:
         old = len(self.num_tokens)
         new = 2 * old
         self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
-        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        self.block_tables = [np.concatenate([table, np.zeros_like(table)]) for table in self.block_tables]
         for name in ("num_tokens", "num_computed", "num_blocks"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(old, dtype=np.int64)]))
         self._free = list(range(new - 1, old - 1, -1)) + self._free
@@ -173,15 +213,26 @@ class InputBatch:
         input_ids[:] = self.token_ids[token_rows, positions]
 
         num_cols = -(-int(seq_lens.max()) // self.block_size)
-        block_table = stage("block_table", num_seqs * num_cols, torch.int32).reshape(num_seqs, num_cols)
-        np.take(self.block_table[:, :num_cols], rows, axis=0, out=block_table)
-        # Past a sequence's last block: the null block (0), as the attention backends expect
-        # (the rows there may hold blocks allocated ahead, or an earlier owner's).
-        block_table[np.arange(num_cols) >= -(-seq_lens // self.block_size)[:, None]] = 0
-        slot_mapping = stage("slot_mapping", num_tokens, torch.int64)
-        slot_mapping[:] = self.block_table[token_rows, positions // self.block_size]
-        slot_mapping *= self.block_size
-        slot_mapping += positions % self.block_size
+        cols = np.arange(num_cols)
+        past_end = cols >= -(-seq_lens // self.block_size)[:, None]
+        block_index, offsets = positions // self.block_size, positions % self.block_size
+        block_tables, slot_mappings = [], []
+        for group, (table, window) in enumerate(zip(self.block_tables, self.sliding_windows)):
+            suffix = f".{group}" if group else ""
+            block_table = stage("block_table" + suffix, num_seqs * num_cols, torch.int32).reshape(num_seqs, num_cols)
+            np.take(table[:, :num_cols], rows, axis=0, out=block_table)
+            # Past a sequence's last block: the null block (0), as the attention backends expect
+            # (the rows there may hold blocks allocated ahead, or an earlier owner's); in a
+            # sliding window, also before the window of the first query (freed, stale ids).
+            block_table[past_end] = 0
+            if window is not None:
+                block_table[cols < (np.maximum(starts - window + 1, 0) // self.block_size)[:, None]] = 0
+            slot_mapping = stage("slot_mapping" + suffix, num_tokens, torch.int64)
+            slot_mapping[:] = table[token_rows, block_index]
+            slot_mapping *= self.block_size
+            slot_mapping += offsets
+            block_tables.append(block_table)
+            slot_mappings.append(slot_mapping)
 
         seq_lens_out = stage("seq_lens", num_seqs, torch.int32)
         seq_lens_out[:] = seq_lens
@@ -197,10 +248,10 @@ class InputBatch:
             query_lens=query_lens,
             input_ids=input_ids,
             positions=positions,
-            slot_mapping=slot_mapping,
+            slot_mappings=tuple(slot_mappings),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens_out,
-            block_table=block_table,
+            block_tables=tuple(block_tables),
             sampled=sampled,
             logits_indices=logits_indices,
         )

@@ -279,20 +279,24 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | tuple[AttentionMetadata, ...],
         attention: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (hidden, residual), both [T, hidden]: their sum is the last layer's output."""
+        """Returns (hidden, residual), both [T, hidden]: their sum is the last layer's output.
+
+        `meta`: one for every layer, or one per layer (each layer's KV cache group's).
+        """
+        layer_metas = meta if isinstance(meta, tuple) else (meta,) * len(self.layers)
         path = self.decode_path
-        if path is not None and attention is path.attention:
+        if path is not None and attention is path.attention and not isinstance(meta, tuple):
             out = path.forward(input_ids, positions, kv_caches, meta)
             if out is not None:
                 return out
         hidden = vocab_parallel_embed(self.embed_tokens, input_ids, self.tp)
         residual = None
         cos, sin = self.rotary_cos.index_select(0, positions), self.rotary_sin.index_select(0, positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, attention, self.ops)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, layer_metas, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, layer_meta, attention, self.ops)
         return hidden, residual
 
     def compute_logits(

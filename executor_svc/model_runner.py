@@ -13,6 +13,10 @@ its end. Requests are laid out decodes first (query length 1), then prefill chun
 Nothing here loops over tokens in Python; per-request work is a list slice and a row of
 the block table.
 
+KV cache groups (`executor_svc.kv_cache_spec`): layers of one attention type share a
+block table; each group's layers get the step's metadata of their group (its slot mapping
+and block table), and the i-th layer of every group shares the i-th K and V tensors.
+
 Speculative decoding: a request with k draft tokens is a query of k + 1 positions (its
 last token, then the drafts) whose k + 1 last rows all get logits; `spec_decode.verify`
 keeps the drafts the model agrees with and adds its own token, and the request's
@@ -31,6 +35,7 @@ import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata, get_backend
 from executor_svc.input_batch import BatchError, InputBatch
+from executor_svc.kv_cache_spec import KVCacheLayout, kv_cache_groups as group_layers, layer_sliding_windows
 from executor_svc.loader import load_model, weight_bytes
 from executor_svc.model import DecoderModel, can_pack_for_cpu
 from executor_svc.quant.gguf_linear import GGUFLinear
@@ -38,7 +43,15 @@ from executor_svc.sampler import Sampler, SamplingRow
 from executor_svc.spec_decode import verify
 from executor_svc.structured_output import StructuredOutput
 from pagoda.model_files import fingerprint, gguf_source
-from pagoda.step import NewRequestData, RequestError, SampledToken, SamplingParams, StepPlan, StepResult
+from pagoda.step import (
+    KVCacheGroupSpec,
+    NewRequestData,
+    RequestError,
+    SampledToken,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +97,10 @@ class CachedRequestState:
         self._batch.num_computed[self.row] = value
 
     @property
-    def block_ids(self) -> list[int]:
-        return self._batch.block_table[self.row, : self._batch.num_blocks[self.row]].tolist()
+    def block_ids(self) -> tuple[list[int], ...]:
+        """One list per KV cache group (a block freed outside a sliding window keeps its old id)."""
+        end = self._batch.num_blocks[self.row]
+        return tuple(table[self.row, :end].tolist() for table in self._batch.block_tables)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -99,9 +114,15 @@ class StepInputs:
     req_ids: list[str]  # in batch order
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # KV cache group 0's (the only group's, for a model with only full attention)
     logits_indices: torch.Tensor  # [num_sampled + drafts] rows whose logits are sampled
     sampled_req_ids: list[str]  # the requests of those rows, in order (k + 1 rows with k drafts)
+    layer_metas: tuple[AttentionMetadata, ...] | None = None  # several groups: each layer's group's
+
+    @property
+    def model_meta(self) -> AttentionMetadata | tuple[AttentionMetadata, ...]:
+        """What the model's forward takes: one metadata for every layer, or one per layer."""
+        return self.meta if self.layer_metas is None else self.layer_metas
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -150,8 +171,13 @@ class ModelRunner:
         pack_weights: bool | None = None,
         quantization: str = "auto",
         tp=None,
+        kv_cache_groups: tuple[KVCacheGroupSpec, ...] | None = None,
     ) -> None:
-        """`tp`: this runner's rank of a tensor-parallel group (`executor_svc.parallel`), or None."""
+        """`tp`: this runner's rank of a tensor-parallel group (`executor_svc.parallel`), or None.
+
+        `kv_cache_groups`: the layers that share a block table; None derives them from the
+        model (`kv_cache_spec.kv_cache_groups` of its layers' windows).
+        """
         self._device = resolve_device(device)
         if num_threads:  # else torch's default: one thread per physical core
             torch.set_num_threads(num_threads)
@@ -168,6 +194,9 @@ class ModelRunner:
         if pack_weights:
             self.model.pack_for_cpu()
         self.config = self.model.config
+        self.kv_cache_groups = self._kv_cache_groups(kv_cache_groups)
+        self.kv_cache_layout = KVCacheLayout(self.kv_cache_groups, self.config.num_layers)
+        self._group_of_layer = self.kv_cache_layout.group_of
         self.attention: AttentionBackend = get_backend(attention_backend, self._device, kv_cache_dtype)
         if self.attention.name == "triton":
             from executor_svc.fused_ops import triton_model_ops
@@ -187,7 +216,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.structured = StructuredOutput(self.model_dir)  # grammar matchers of constrained requests
         self.requests: dict[str, CachedRequestState] = {}
-        self.batch = InputBatch(self.max_model_len, block_size, self._device)
+        windows = tuple(g.sliding_window for g in self.kv_cache_groups)
+        self.batch = InputBatch(self.max_model_len, block_size, self._device, sliding_windows=windows)
         self.failed: dict[str, str] = {}  # req id -> why it failed alone; not computed again (see sample)
         if num_kv_blocks is None:
             if kv_memory_bytes is None:
@@ -203,7 +233,7 @@ class ModelRunner:
             raise ValueError(f"num_kv_blocks {num_kv_blocks}: need at least 2 (block 0 is the null block)")
         self.kv_caches = self._allocate_kv_caches(num_kv_blocks)
         logger.info(
-            "model %s on %s (%s, weights %s: %.1f MiB, attention %s): %d KV blocks of %d tokens",
+            "model %s on %s (%s, weights %s: %.1f MiB, attention %s): %d KV blocks of %d tokens, %s",
             self.model_dir,
             self._device,
             self.dtype,
@@ -212,6 +242,7 @@ class ModelRunner:
             self.attention.name,
             num_kv_blocks,
             block_size,
+            _describe_groups(self.kv_cache_groups),
         )
 
     # -- what the worker registers -------------------------------------------------------
@@ -246,9 +277,27 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        """K and V of one block in every layer."""
+        """K and V of one block in every layer of a KV cache group (all layers with full attention only)."""
         c = self.config
-        return 2 * c.num_layers * self._block_size * c.kv_size * self.kv_cache_dtype.itemsize
+        return 2 * self.kv_cache_layout.num_tensors * self._block_size * c.kv_size * self.kv_cache_dtype.itemsize
+
+    @property
+    def honours_sliding_windows(self) -> bool:
+        """Whether the model's attention keeps each sliding-window layer to its window.
+
+        Only then do its sliding-window layers get groups of their own, whose blocks
+        outside the window the scheduler frees. Models that export their layers' types
+        (`ModelConfig.layer_types`, the per-family models) do; until then a windowed model
+        attends to everything, and keeps full-attention KV.
+        """
+        return getattr(self.config, "layer_types", None) is not None
+
+    def _kv_cache_groups(self, groups: tuple[KVCacheGroupSpec, ...] | None) -> tuple[KVCacheGroupSpec, ...]:
+        if groups is not None:
+            return tuple(groups)
+        num_layers = self.config.num_layers
+        windows = layer_sliding_windows(self.config) if self.honours_sliding_windows else (None,) * num_layers
+        return group_layers(windows)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -274,12 +323,14 @@ class ModelRunner:
         self.update_states(plan)
         if plan.block_copies:
             src_dst = torch.tensor([(c.src, c.dst) for c in plan.block_copies], dtype=torch.int64)
-            self.attention.copy_blocks([cache for pair in self.kv_caches for cache in pair], src_dst)
+            self.attention.copy_blocks(self.kv_cache_tensors, src_dst)
         plan, earlier_errors = self._skip_failed(plan)
         if plan.total_num_scheduled_tokens == 0:
             return StepResult(step_id=plan.step_id, errors=earlier_errors), {}
         inputs = self.prepare_inputs(plan)
-        hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attention)
+        hidden, residual = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.model_meta, self.attention
+        )
         per_request: dict[str, torch.Tensor] = {}
         if all_logits:
             logits_all = self.model.compute_logits(hidden, residual)
@@ -349,22 +400,28 @@ class ModelRunner:
         except BatchError as exc:
             raise PlanError(f"{exc} (requests {req_ids})") from None
         to_device = self.batch.to_device
-        meta = AttentionMetadata(
-            slot_mapping=to_device(g.slot_mapping),
-            query_start_loc=to_device(g.query_start_loc, torch.int32),
-            seq_lens=to_device(g.seq_lens),
-            block_table=to_device(g.block_table),
-            max_query_len=int(g.query_lens.max()),
-            max_seq_len=int(g.seq_lens.max()),
-        )
+        query_start_loc, seq_lens = to_device(g.query_start_loc, torch.int32), to_device(g.seq_lens)
+        max_query_len, max_seq_len = int(g.query_lens.max()), int(g.seq_lens.max())
+        metas = [
+            AttentionMetadata(
+                slot_mapping=to_device(slot_mapping),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_table=to_device(block_table),
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+            )
+            for slot_mapping, block_table in zip(g.slot_mappings, g.block_tables)
+        ]
         sampled = g.sampled.tolist()
         return StepInputs(
             req_ids=req_ids,
             input_ids=to_device(g.input_ids),
             positions=to_device(g.positions),
-            meta=meta,
+            meta=metas[0],
             logits_indices=to_device(g.logits_indices),
             sampled_req_ids=[req_ids[i] for i in sampled for _ in range(draft_lens[i] + 1)],
+            layer_metas=tuple(metas[group] for group in self._group_of_layer) if len(metas) > 1 else None,
         )
 
     def sample(self, logits: torch.Tensor, req_ids: list[str]) -> tuple[list[SampledToken], list[RequestError]]:
@@ -502,15 +559,23 @@ class ModelRunner:
         return state
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V): `kv_cache_layout.num_tensors` pairs, the i-th layer of every group on the i-th."""
         c = self.config
         shape = (num_blocks, self._block_size, c.num_kv_heads, c.head_dim)
-        return [
+        pairs = [
             (
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self._device),
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self._device),
             )
-            for _ in range(c.num_layers)
+            for _ in range(self.kv_cache_layout.num_tensors)
         ]
+        return [pairs[slot] for slot in self.kv_cache_layout.slot_of]
+
+    @property
+    def kv_cache_tensors(self) -> list[torch.Tensor]:
+        """Every K and V tensor once (layers of different groups share them)."""
+        unique = {id(cache): cache for pair in self.kv_caches for cache in pair}
+        return list(unique.values())
 
     @torch.inference_mode()
     def run_dummy_prefill(self, num_tokens: int, num_logits_rows: int = 256) -> torch.Tensor:
@@ -553,3 +618,12 @@ class ModelRunner:
                 f"peak {peak}, other processes {non_torch}"
             )
         return kv_bytes
+
+
+def _describe_groups(groups: tuple[KVCacheGroupSpec, ...]) -> str:
+    if len(groups) == 1 and groups[0].sliding_window is None:
+        return "one KV cache group (full attention)"
+    kinds = Counter("full" if g.sliding_window is None else f"window {g.sliding_window}" for g in groups)
+    return f"{len(groups)} KV cache groups of {max(len(g.layer_ids) for g in groups)} layers (" + ", ".join(
+        f"{n} {kind}" for kind, n in kinds.items()
+    ) + ")"

@@ -200,6 +200,7 @@ class Worker:
             vocab_size=runner.vocab_size,
             heartbeat_token=self._heartbeat_token,
             weight_bytes=runner.weight_bytes,
+            kv_cache_groups=wire.kv_cache_groups_to_proto(runner.kv_cache_groups),
         )
         while not self._draining.is_set():
             if not self._send(register=register):  # not connected: the scheduler checks a Register itself

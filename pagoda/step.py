@@ -9,7 +9,26 @@ Per-request state on the executor side::
     token_ids            every token so far (prompt + generated); the executor appends
                          the tokens it samples itself, the scheduler never re-sends them
     num_computed_tokens  tokens whose KV is in the cache
-    block_table          block ids, in order; slot of position p = block_table[p // B] * B + p % B
+    block_table          block ids, in order, one table per KV cache group (see below);
+                         slot of position p = block_table[p // B] * B + p % B
+
+KV cache groups (`KVCacheGroupSpec`, reported by the executor at registration): the
+layers that share one attention type -- full attention, or one sliding window -- share
+one block table, so every block id in a plan belongs to exactly one group. A model with
+only full attention has one group, and its plans are those of a single table. For a
+sliding-window group the scheduler frees the blocks wholly outside the window of every
+future query while the request runs: their entries become the null block 0, which a
+sliding-window layer never reads::
+
+    window 8, block_size 4, 13 tokens computed: the next query (position 13)
+    reads positions 6..13
+    full attention   [ b1 | b2 | b3 | b4 ]
+    sliding window   [ 0  | b6 | b7 | b8 ]      b5 (positions 0-3) was freed
+
+A plan does not announce the blocks freed from a running request's table (its next new
+request data would show them as 0): the executor's table keeps their old ids, which may
+already hold another request's KV, and the block tables it builds for a step give the
+null block for every block wholly before the window of the step's first query.
 
 Each step the executor computes `token_ids[num_computed : num_computed + num_scheduled]`
 for every scheduled request; a request whose computed count then reaches
@@ -76,29 +95,71 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers that share one block table: one attention type, the same number of layers in
+    every group of a model (vLLM's KVCacheGroupSpec).
+
+    `layer_ids` are the model's layer indices; the i-th layer of every group shares the
+    executor's i-th K and V tensors, each block id being owned by one group at a time
+    (so a block holds `len(layer_ids)` layers' K and V, whatever the group). A group may
+    hold fewer layers than the others (padding). `sliding_window` None is full attention;
+    W means the query at position p reads positions p - W + 1 .. p (transformers'
+    `kv_idx > q_idx - sliding_window`).
+    """
+
+    layer_ids: tuple[int, ...]
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+
+
+def per_group(block_ids: tuple[list[int], ...] | list[int]) -> tuple[list[int], ...]:
+    """Block ids as one list per KV cache group; a flat list is the one group of a full-attention model."""
+    if isinstance(block_ids, tuple):
+        return block_ids
+    if block_ids and not isinstance(block_ids[0], int):
+        return tuple(list(ids) for ids in block_ids)
+    return (block_ids,)
+
+
 @dataclass
 class NewRequestData:
-    """A request the executor has no state for: sent in full, once (also on resumption)."""
+    """A request the executor has no state for: sent in full, once (also on resumption).
+
+    `block_ids`: one list per KV cache group, in the order the executor registered them
+    (a flat list is taken as the one group's).
+    """
 
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     sampling: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+
+    def __post_init__(self) -> None:
+        self.block_ids = per_group(self.block_ids)
 
 
 @dataclass
 class CachedRequestData:
-    """A request the executor already holds: only the blocks added since the last step."""
+    """A request the executor already holds: only the blocks added since the last step,
+    one list per KV cache group (every group's table grows by the same number of entries).
+    Built every step for every running request, so not normalised: `per_group` reads a flat
+    list as the one group's."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]
 
 
 @dataclass
 class BlockCopy:
-    """Copy-on-write: copy every layer's K and V of block `src` into block `dst`."""
+    """Copy-on-write: copy every layer's K and V of block `src` into block `dst` (both of one
+    KV cache group: block ids are unique across groups, so no group is named)."""
 
     src: int
     dst: int

@@ -10,12 +10,14 @@ from pagoda.constraint import Constraint, ConstraintKind
 from pagoda.step import (
     BlockCopy,
     CachedRequestData,
+    KVCacheGroupSpec,
     NewRequestData,
     RequestError,
     SampledToken,
     SamplingParams,
     StepPlan,
     StepResult,
+    per_group,
 )
 from pagoda.v1 import executor_pb2 as pb
 from pagoda.v1 import generation_pb2 as api_pb
@@ -85,6 +87,32 @@ def sampling_from_proto(msg: pb.StepSampling) -> SamplingParams:
     )
 
 
+def kv_cache_groups_to_proto(groups: tuple[KVCacheGroupSpec, ...]) -> list[pb.KVCacheGroup]:
+    return [pb.KVCacheGroup(layer_ids=g.layer_ids, sliding_window=g.sliding_window or 0) for g in groups]
+
+
+def kv_cache_groups_from_proto(msgs) -> tuple[KVCacheGroupSpec, ...]:
+    """The registered groups; none is one full-attention group (an executor that names no layers)."""
+    if not msgs:
+        return (KVCacheGroupSpec(layer_ids=()),)
+    return tuple(KVCacheGroupSpec(tuple(m.layer_ids), m.sliding_window or None) for m in msgs)
+
+
+def _other_groups(block_ids: tuple[list[int], ...]) -> list[pb.BlockIds]:
+    return [pb.BlockIds(block_ids=ids) for ids in block_ids[1:]] if len(block_ids) > 1 else []
+
+
+def _per_group(first, others) -> tuple[list[int], ...]:
+    return (list(first), *(list(ids.block_ids) for ids in others)) if others else (list(first),)
+
+
+def _cached_request_to_proto(r: CachedRequestData) -> pb.CachedRequest:
+    ids = per_group(r.new_block_ids)  # (a flat list is the one group's)
+    if len(ids) == 1:
+        return pb.CachedRequest(req_id=r.req_id, new_block_ids=ids[0])
+    return pb.CachedRequest(req_id=r.req_id, new_block_ids=ids[0], group_new_block_ids=_other_groups(ids))
+
+
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
     return pb.StepPlan(
         step_id=plan.step_id,
@@ -94,13 +122,16 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 token_ids=r.token_ids,
                 num_prompt_tokens=r.num_prompt_tokens,
                 sampling=sampling_to_proto(r.sampling),
-                block_ids=r.block_ids,
+                block_ids=r.block_ids[0],
                 num_computed_tokens=r.num_computed_tokens,
+                group_block_ids=_other_groups(r.block_ids),
             )
             for r in plan.new_requests
         ],
-        cached_requests=[
-            pb.CachedRequest(req_id=r.req_id, new_block_ids=r.new_block_ids)
+        cached_requests=[  # (one KV cache group inline: every running request, every step)
+            pb.CachedRequest(req_id=r.req_id, new_block_ids=ids[0])
+            if type(ids := r.new_block_ids) is tuple and len(ids) == 1
+            else _cached_request_to_proto(r)
             for r in plan.cached_requests
         ],
         num_scheduled_tokens=plan.num_scheduled_tokens,
@@ -121,13 +152,13 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
                 token_ids=list(r.token_ids),
                 num_prompt_tokens=r.num_prompt_tokens,
                 sampling=sampling_from_proto(r.sampling),
-                block_ids=list(r.block_ids),
+                block_ids=_per_group(r.block_ids, r.group_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
             )
             for r in msg.new_requests
         ],
         cached_requests=[
-            CachedRequestData(req_id=r.req_id, new_block_ids=list(r.new_block_ids))
+            CachedRequestData(req_id=r.req_id, new_block_ids=_per_group(r.new_block_ids, r.group_new_block_ids))
             for r in msg.cached_requests
         ],
         num_scheduled_tokens=dict(msg.num_scheduled_tokens),

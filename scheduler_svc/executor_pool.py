@@ -30,6 +30,11 @@ from scheduler_svc.result_check import sampled_values_problem
 
 log = logging.getLogger(__name__)
 
+# The most KV cache groups and layers a Register may name: every step does O(groups) work per
+# request (Gemma 3 27B: 7 groups of 10 of its 62 layers).
+MAX_KV_CACHE_GROUPS = 256
+MAX_KV_CACHE_LAYERS = 4096
+
 # Step token budgets when --max-num-batched-tokens is not given, by the executor's device. A GPU's
 # matmuls want big steps. A CPU reaches its matmul peak by a few hundred rows, while every prompt
 # token in a step delays that step's decodes: on 2 cores (bench/loadgen.py, the aim's workload)
@@ -237,6 +242,7 @@ class ExecutorPool:
         if old is not None:
             self.kill(old, "re-registered", blame=False)
         budget = self.config.step_budget(msg.device)
+        groups = wire.kv_cache_groups_from_proto(msg.kv_cache_groups)
         core = Scheduler(
             SchedulerConfig(
                 block_size=msg.block_size,
@@ -247,13 +253,15 @@ class ExecutorPool:
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 speculative=self.config.speculative,
                 enable_kv_cache_events=self.config.enable_prefix_caching,  # drained every step (Engine._update)
+                kv_cache_groups=groups,
             )
         )
         handle = ExecutorHandle(executor_id, msg.device, core, last_seen=time.monotonic(), weight_bytes=msg.weight_bytes)
         self.executors[executor_id] = handle
         log.info(
-            "executor %s registered: %s, %d KV blocks, steps of up to %d tokens",
+            "executor %s registered: %s, %d KV blocks, steps of up to %d tokens, KV cache groups %s",
             executor_id, msg.device, msg.num_kv_blocks, budget,
+            [("full" if g.sliding_window is None else g.sliding_window, len(g.layer_ids)) for g in groups],
         )
         self._on_joined(handle)
 
@@ -270,7 +278,7 @@ class ExecutorPool:
             return f"num_kv_blocks {msg.num_kv_blocks} is too small"
         if msg.num_kv_blocks > self.config.max_kv_blocks:
             return f"num_kv_blocks {msg.num_kv_blocks} exceeds the scheduler's --max-kv-blocks {self.config.max_kv_blocks}"
-        return ""
+        return kv_cache_groups_problem(msg.kv_cache_groups)
 
     def on_heartbeat(self, executor_id: str, msg: xpb.Heartbeat) -> None:
         handle = self.executors.get(executor_id)
@@ -319,3 +327,15 @@ class ExecutorPool:
         for handle in list(self.executors.values()):
             if now - handle.last_seen > self.config.executor_timeout_s:
                 self.kill(handle, f"no heartbeat for {now - handle.last_seen:.1f} s")
+
+
+def kv_cache_groups_problem(groups) -> str:
+    """Why a Register's KV cache groups cannot be served ("" if they can): bounded, each layer once."""
+    if len(groups) > MAX_KV_CACHE_GROUPS:
+        return f"kv_cache_groups: {len(groups)} groups, at most {MAX_KV_CACHE_GROUPS}"
+    layers = [layer for group in groups for layer in group.layer_ids]
+    if len(layers) > MAX_KV_CACHE_LAYERS:
+        return f"kv_cache_groups: {len(layers)} layers, at most {MAX_KV_CACHE_LAYERS}"
+    if len(set(layers)) != len(layers) or any(not group.layer_ids for group in groups):
+        return "kv_cache_groups: every group needs layers, and no layer may be in two groups"
+    return ""

@@ -13,6 +13,12 @@
 Invariant: `num_free_blocks + num_used_blocks == num_total_blocks`, where the totals
 exclude the null block.
 
+One pool serves every KV cache group of the executor (`pagoda.step.KVCacheGroupSpec`):
+a block in use belongs to one group's table, and the prefix index is keyed by (group,
+block hash), so the same tokens of different groups are cached and evicted apart, in
+one LRU queue (vLLM's hybrid KV cache manager). Block tables may hold the null block
+(a sliding-window group's blocks outside the window); it is never counted or freed.
+
 Blocks are made lazily: a block never handed out sits, in id order, at the head of the
 free queue (nothing is ever put before it), so the pool keeps only a count of them and
 makes each one when it is first allocated. Creating a pool is O(1) whatever its size (an
@@ -32,14 +38,16 @@ from scheduler_svc.core.kv_events import AllBlocksCleared, BlockRemoved, BlockSt
 
 
 class KVCacheBlock:
-    """One block of KV slots. `block_hash` is set while the block is in the prefix cache."""
+    """One block of KV slots. `block_hash` (and `group_id`, its KV cache group) is set while
+    the block is in the prefix cache."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.group_id = 0
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -127,7 +135,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(0)]  # made so far (ids 0..len-1); the rest are fresh
         self.null_block = self.blocks[0]
         self._free_queue = FreeBlockQueue(())  # free blocks that were handed out before
-        self._cached: dict[bytes, KVCacheBlock] = {}
+        self._cached: dict[tuple[int, bytes], KVCacheBlock] = {}  # (group id, hash value) -> block
         self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events and enable_caching else None
 
     @property
@@ -170,9 +178,9 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """The cached block for `block_hash`, if its stored tokens match exactly."""
-        block = self._cached.get(block_hash.hash_value)
+    def get_cached_block(self, block_hash: BlockHash, group_id: int = 0) -> KVCacheBlock | None:
+        """Group `group_id`'s cached block for `block_hash`, if its stored tokens match exactly."""
+        block = self._cached.get((group_id, block_hash.hash_value))
         if block is None or block.block_hash != block_hash:
             return None
         return block
@@ -193,14 +201,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free_queue.append(block)
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
-        """Index a block full of computed tokens; False if disabled or that key is cached."""
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, group_id: int = 0) -> bool:
+        """Index a block of group `group_id` full of computed tokens; False if disabled or that key is cached."""
         if not self.enable_caching or block.block_hash is not None:
             return False
-        if block_hash.hash_value in self._cached:
+        key = (group_id, block_hash.hash_value)
+        if key in self._cached:
             return False
-        block.block_hash = block_hash
-        self._cached[block_hash.hash_value] = block
+        block.block_hash, block.group_id = block_hash, group_id
+        self._cached[key] = block
         return True
 
     def cache_full_blocks(
@@ -209,21 +218,25 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         parent_hash: bytes | None,
         cache_salt: str,
+        group_id: int = 0,
     ) -> None:
-        """`cache_full_block` for a run of a request's blocks, `parent_hash` the key before the
-        first (None: the first block of the request). Records one BlockStored per stretch of
-        blocks newly cached (a block whose key another block holds breaks the stretch)."""
+        """`cache_full_block` for a run of a request's blocks of group `group_id`, `parent_hash`
+        the key before the first (None: the first block of the request). Records one
+        BlockStored per stretch of blocks newly cached (a block whose key another block holds,
+        or a null block -- a sliding window's, freed before it was cached -- breaks the
+        stretch). Events follow group 0 only (the full-attention group where there is one):
+        a router sees one copy of each prefix, not one per group."""
         stretch: list[BlockHash] = []
         for block, block_hash in zip(blocks, block_hashes, strict=True):
-            if self.cache_full_block(block, block_hash):
+            if block is not self.null_block and self.cache_full_block(block, block_hash, group_id):
                 stretch.append(block_hash)
                 continue
-            self._record_stored(stretch, parent_hash, cache_salt)
+            self._record_stored(stretch, parent_hash, cache_salt, group_id)
             stretch, parent_hash = [], block_hash.hash_value
-        self._record_stored(stretch, parent_hash, cache_salt)
+        self._record_stored(stretch, parent_hash, cache_salt, group_id)
 
-    def _record_stored(self, stretch: list[BlockHash], parent_hash: bytes | None, cache_salt: str) -> None:
-        if self._events is None or not stretch:
+    def _record_stored(self, stretch: list[BlockHash], parent_hash: bytes | None, cache_salt: str, group_id: int = 0) -> None:
+        if self._events is None or not stretch or group_id:
             return
         self._events.append(BlockStored(tuple(stretch), parent_hash, cache_salt))
 
@@ -248,8 +261,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        del self._cached[block.block_hash.hash_value]
-        if self._events is not None:
+        del self._cached[(block.group_id, block.block_hash.hash_value)]
+        if self._events is not None and block.group_id == 0:
             self._events.append(BlockRemoved((block.block_hash.hash_value,)))
         block.block_hash = None
 
@@ -263,8 +276,8 @@ class BlockPool:
         num_used = sum(1 for block in self.blocks[1:] if block.ref_cnt > 0)
         if num_used + len(free) != self.num_total_blocks:
             raise AssertionError(f"free {len(free)} + in use {num_used} != total {self.num_total_blocks}")
-        for hash_value, block in self._cached.items():
-            if block.block_hash is None or block.block_hash.hash_value != hash_value:
+        for (group_id, hash_value), block in self._cached.items():
+            if block.block_hash is None or (block.group_id, block.block_hash.hash_value) != (group_id, hash_value):
                 raise AssertionError(f"prefix index entry for {block!r} has the wrong key")
         if sum(block.block_hash is not None for block in self.blocks) != len(self._cached):
             raise AssertionError("a block carries a hash but is not in the prefix index")

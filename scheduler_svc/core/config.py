@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pagoda.step import KVCacheGroupSpec
+
+FULL_ATTENTION = (KVCacheGroupSpec(layer_ids=()),)  # the one group of a model with only full attention
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -55,8 +58,10 @@ class SchedulerConfig:
     """Limits of one executor's scheduler.
 
     `num_blocks` is the executor's KV cache size in blocks, null block 0 included, so
-    `num_blocks - 1` blocks hold tokens. A sequence never grows past `max_seq_len`
-    tokens (prompt + output): the smaller of `max_model_len` and what the cache holds.
+    `num_blocks - 1` blocks hold tokens. `kv_cache_groups` are the executor's groups of
+    layers (one block table each, `pagoda.step.KVCacheGroupSpec`). A sequence never grows
+    past `max_seq_len` tokens (prompt + output): the smaller of `max_model_len` and the
+    longest sequence whose blocks (`max_blocks_per_request`) the cache holds.
     """
 
     num_blocks: int
@@ -67,6 +72,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None  # None: no drafts
     enable_kv_cache_events: bool = False  # record prefix-cache events (`Scheduler.take_kv_events`)
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = field(default=FULL_ATTENTION)
 
     def __post_init__(self) -> None:
         minimums = {
@@ -83,6 +89,11 @@ class SchedulerConfig:
         for name in ("enable_prefix_caching", "enable_kv_cache_events"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SchedulerConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        groups = self.kv_cache_groups
+        if not groups or not all(isinstance(g, KVCacheGroupSpec) for g in groups):
+            raise ValueError(f"SchedulerConfig.kv_cache_groups must be KVCacheGroupSpecs, at least one, got {groups!r}")
+        object.__setattr__(self, "kv_cache_groups", tuple(groups))
+        object.__setattr__(self, "_max_seq_len", self._longest_sequence())
 
     @property
     def num_usable_blocks(self) -> int:
@@ -90,4 +101,37 @@ class SchedulerConfig:
 
     @property
     def max_seq_len(self) -> int:
-        return min(self.max_model_len, self.num_usable_blocks * self.block_size)
+        return self._max_seq_len  # type: ignore[attr-defined]
+
+    def max_blocks_per_request(self, num_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` tokens holds at once, over every group.
+
+        A full-attention group holds a block per `block_size` tokens. A sliding-window
+        group (window W) frees the blocks before the window of the step's first query, so
+        while a step computes c <= `max_num_batched_tokens` tokens it holds the blocks of
+        W - 1 + c positions at most, which touch at most cdiv(W + c - 2, block_size) + 1
+        blocks. (The `n` samples of one prompt also keep their leader's window of the last
+        prompt token until they fork: a transient excess, met by preemption.)
+        """
+        num_blocks = cdiv(num_tokens, self.block_size)
+        total = 0
+        for group in self.kv_cache_groups:
+            if group.sliding_window is None:
+                total += num_blocks
+            else:
+                window_blocks = cdiv(group.sliding_window + self.max_num_batched_tokens - 2, self.block_size) + 1
+                total += min(num_blocks, window_blocks)
+        return total
+
+    def _longest_sequence(self) -> int:
+        """The largest length <= max_model_len whose `max_blocks_per_request` the cache holds."""
+        if len(self.kv_cache_groups) == 1 and self.kv_cache_groups[0].sliding_window is None:
+            return min(self.max_model_len, self.num_usable_blocks * self.block_size)
+        low, high = 0, self.max_model_len  # fits(low); the answer is in [low, high]
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.max_blocks_per_request(mid) <= self.num_usable_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low

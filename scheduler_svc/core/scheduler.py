@@ -94,7 +94,15 @@ class Scheduler:
         self.config = config
         self._max_seq_len = config.max_seq_len
         self.kv_cache_manager = KVCacheManager(
-            config.block_size, config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events
+            config.block_size,
+            config.num_blocks,
+            config.enable_prefix_caching,
+            config.enable_kv_cache_events,
+            kv_cache_groups=config.kv_cache_groups,
+        )
+        # The blocks of a request's next steps: through `_allocate` when sliding windows are freed
+        self._allocate_slots = (
+            self._allocate if self.kv_cache_manager.frees_outside_windows else self.kv_cache_manager.allocate_slots
         )
         self.num_preemptions = 0
         self._requests: dict[str, Request] = {}
@@ -141,8 +149,10 @@ class Scheduler:
         return need <= self.kv_cache_manager.block_pool.num_free_blocks
 
     def _first_chunk_blocks(self, request: Request, num_cached_tokens: int) -> int:
+        """Blocks of the first chunk after a hit of `num_cached_tokens`, in every KV cache group."""
         num_tokens = min(request.num_tokens, num_cached_tokens + self.config.max_num_batched_tokens)
-        return cdiv(num_tokens, self.config.block_size) - num_cached_tokens // self.config.block_size
+        num_blocks = cdiv(num_tokens, self.config.block_size) - num_cached_tokens // self.config.block_size
+        return num_blocks * self.kv_cache_manager.num_groups
 
     def take_movable(self) -> list[Request]:
         """Remove and return the waiting requests free to resume on any executor.
@@ -441,7 +451,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless blocks, queues and requests agree (tests, idle checks)."""
-        self.kv_cache_manager.check_integrity()
+        self.kv_cache_manager.check_integrity(self._running)
         if {r.req_id for r in self._running} | {r.req_id for r in self._waiting} != set(self._requests):
             raise AssertionError("running + waiting != known requests")
         if self.kv_cache_manager.req_ids() != {r.req_id for r in self._running}:
@@ -469,7 +479,7 @@ class Scheduler:
         # waste), or when it has drafts in flight (its length is not known yet).
         held, unsent, proposer, max_seq_len = self._held, self._unsent, self._proposer, self._max_seq_len
         drafts_in_flight = [f.plan.scheduled_spec_decode_tokens for f in self._in_flight if f.plan.scheduled_spec_decode_tokens]
-        allocate_slots = self.kv_cache_manager.allocate_slots
+        allocate_slots = self._allocate_slots
         cached_requests, num_scheduled_tokens = plan.cached_requests, plan.num_scheduled_tokens
         drafts: list[int] = []
         for request in list(self._running):
@@ -508,7 +518,7 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _draft(self, request: Request, budget: int) -> tuple[list[int], list[int] | None]:
+    def _draft(self, request: Request, budget: int) -> tuple[list[int], tuple[list[int], ...] | None]:
         """Draft tokens for a request at its end, and the new blocks they need; ([], None) if none.
 
         At most k, one step's budget less its last token, and what its length limits
@@ -531,10 +541,10 @@ class Scheduler:
         drafts = self._proposer.propose(request.all_token_ids, max_drafts)
         if not drafts:
             return [], None
-        new_block_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
+        new_block_ids = self._allocate_slots(request, 1 + len(drafts))
         return (drafts, new_block_ids) if new_block_ids is not None else ([], None)
 
-    def _preempt_for(self, request: Request, num_new: int, plan: StepPlan) -> list[int] | None:
+    def _preempt_for(self, request: Request, num_new: int, plan: StepPlan) -> tuple[list[int], ...] | None:
         """Blocks for `num_new` more tokens, which the pool lacks now: preempt from the back
         of `running` until they fit.
 
@@ -546,9 +556,17 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is request:
                 return None
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_block_ids = self._allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
+
+    def _allocate(self, request: Request, num_new: int) -> tuple[list[int], ...] | None:
+        """`allocate_slots` for a running request where sliding windows are freed: a leader whose
+        `n` siblings wait to fork keeps the window of the last prompt token they recompute."""
+        next_query_position = None
+        if self._siblings.followers_of(request.req_id):
+            next_query_position = request.num_prompt_tokens - 1
+        return self.kv_cache_manager.allocate_slots(request, num_new, next_query_position=next_query_position)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         for request in list(self._waiting):

@@ -10,6 +10,12 @@ produce different tokens. Sampled tokens are a deterministic function of the ful
 token sequence and the seed, or (`markov=True`) of the last token and the seed, whose
 periodic text prompt lookup predicts well.
 
+KV cache groups (`SchedulerConfig.kv_cache_groups`): each group has its own block
+table and its own slots; a full-attention group attends to every position before the
+query, a sliding-window group (window W) only to the last W, so only those must hold
+the request's fingerprints (the blocks before may be the null block, which is never
+read or written).
+
 Draft tokens (speculative decoding) are written and attended like any position; the
 fake model then accepts the longest prefix it agrees with plus its own next token,
 and rolls its computed count back: the rejected positions' slots keep the drafts'
@@ -22,8 +28,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagoda.step import SampledToken, SamplingParams, StepPlan, StepResult
+from pagoda.step import KVCacheGroupSpec, SampledToken, SamplingParams, StepPlan, StepResult
 from scheduler_svc.core import Request, RequestUpdate, Scheduler
+from scheduler_svc.core.config import FULL_ATTENTION
 
 
 def next_token(fingerprint: int, seed: int | None, vocab_size: int) -> int:
@@ -41,7 +48,7 @@ class FakeRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     seed: int | None
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one table per KV cache group
     num_computed_tokens: int
     fingerprints: list[int] = field(default_factory=list)
 
@@ -67,8 +74,16 @@ class FakeRequestState:
 class FakeExecutor:
     """Runs `StepPlan`s against a fingerprint KV cache; raises AssertionError on any misuse."""
 
-    def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 64, markov: bool = False) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        vocab_size: int = 64,
+        markov: bool = False,
+        kv_cache_groups: tuple[KVCacheGroupSpec, ...] = FULL_ATTENTION,
+    ) -> None:
         self.block_size = block_size
+        self.windows = [group.sliding_window for group in kv_cache_groups]
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.markov = markov
@@ -79,6 +94,7 @@ class FakeExecutor:
         self.num_steps = 0
         self.num_block_copies = 0
         self.num_new_with_computed = 0  # prefix hits and forks
+        self.num_windows_freed = 0  # views seen where the scheduler freed a block the executor still names
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.num_steps += 1
@@ -95,12 +111,16 @@ class FakeExecutor:
                 list(new.token_ids),
                 new.num_prompt_tokens,
                 new.sampling.seed,
-                list(new.block_ids),
+                tuple(list(ids) for ids in new.block_ids),
                 new.num_computed_tokens,
             )
+            assert len(new.block_ids) == len(self.windows), f"{new.req_id}: {len(new.block_ids)} tables"
         for cached in plan.cached_requests:
             assert cached.req_id in self.states, f"diff for unknown request {cached.req_id}"
-            self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
+            tables = self.states[cached.req_id].block_ids
+            assert len(cached.new_block_ids) == len(tables), f"{cached.req_id}: {len(cached.new_block_ids)} tables"
+            for table, new_ids in zip(tables, cached.new_block_ids):
+                table.extend(new_ids)
         drafts = plan.scheduled_spec_decode_tokens
         for req_id, num_scheduled in plan.num_scheduled_tokens.items():
             self._write(req_id, num_scheduled, drafts.get(req_id, []))
@@ -109,11 +129,12 @@ class FakeExecutor:
             sampled += self._attend_and_sample(req_id, num_scheduled, drafts.get(req_id, []))
         return StepResult(step_id=plan.step_id, sampled=sampled)
 
-    def _slot(self, state: FakeRequestState, position: int) -> int:
+    def _slot(self, state: FakeRequestState, group: int, position: int) -> int:
+        table = state.block_ids[group]
         index = position // self.block_size
-        assert index < len(state.block_ids), f"position {position} beyond the block table"
-        block_id = state.block_ids[index]
-        assert 0 < block_id < self.num_blocks, f"bad block id {block_id}"
+        assert index < len(table), f"position {position} beyond the block table of group {group}"
+        block_id = table[index]
+        assert 0 < block_id < self.num_blocks, f"bad block id {block_id} for position {position} in group {group}"
         return block_id * self.block_size + position % self.block_size
 
     def _copy_block(self, src: int, dst: int) -> None:
@@ -132,18 +153,23 @@ class FakeExecutor:
         if drafts:
             assert start + num_scheduled == len(state.token_ids) + len(drafts), f"{req_id}: drafts not at the end"
         for position in range(start, start + num_scheduled):
-            self.slots[self._slot(state, position)] = state.fingerprint_with(position, drafts)
+            fingerprint = state.fingerprint_with(position, drafts)
+            for group in range(len(self.windows)):
+                self.slots[self._slot(state, group, position)] = fingerprint
 
     def _attend_and_sample(self, req_id: str, num_scheduled: int, drafts: list[int]) -> list[SampledToken]:
         state = self.states[req_id]
+        first_query = state.num_computed_tokens
         state.num_computed_tokens += num_scheduled
         num_tokens = len(state.token_ids)
         state.token_ids.extend(drafts)
-        for position in range(state.num_computed_tokens):
-            slot = self._slot(state, position)
-            assert self.slots.get(slot) == state.fingerprint(position), (
-                f"{req_id}: KV of position {position} (slot {slot}) is not this request's"
-            )
+        for group, window in enumerate(self.windows):
+            first_read = 0 if window is None else max(first_query - window + 1, 0)
+            for position in range(first_read, state.num_computed_tokens):
+                slot = self._slot(state, group, position)
+                assert self.slots.get(slot) == state.fingerprint(position), (
+                    f"{req_id}: KV of position {position} (slot {slot}, group {group}) is not this request's"
+                )
         if state.num_computed_tokens < len(state.token_ids):
             return []
         num_accepted = 0
@@ -182,7 +208,16 @@ def assert_views_agree(scheduler: Scheduler, executor: FakeExecutor) -> None:
         assert state.token_ids[: request.num_tokens] == request.all_token_ids, req_id
         assert len(state.token_ids) == request.num_tokens + request.num_output_placeholders, req_id
         assert state.num_computed_tokens == request.num_computed_tokens, req_id
-        assert state.block_ids == manager.block_ids(req_id), req_id
+        # a block the scheduler freed outside a sliding window is not announced: the executor's
+        # entry keeps its old id (never read), where the scheduler's is the null block
+        tables = manager.block_ids(req_id)
+        assert [len(t) for t in state.block_ids] == [len(t) for t in tables], req_id
+        for held, planned, window in zip(state.block_ids, tables, executor.windows):
+            assert all(p in (0, h) for h, p in zip(held, planned)), (req_id, held, planned)
+            executor.num_windows_freed += any(p == 0 and h != 0 for h, p in zip(held, planned))
+            # the scheduler still holds every block the next query reads (its freed ones may be reused)
+            first_read = 0 if window is None else max(request.num_computed_tokens - window + 1, 0)
+            assert 0 not in planned[first_read // executor.block_size :], (req_id, window, request.num_computed_tokens, planned)
 
 
 def run_to_completion(
@@ -220,7 +255,7 @@ def make_request(
 
 def reference_output(request: Request, max_seq_len: int, vocab_size: int = 64, markov: bool = False) -> list[int]:
     """The tokens `request` must end with if it runs to a natural stop, computed directly."""
-    state = FakeRequestState(list(request.prompt_token_ids), request.num_prompt_tokens, request.sampling.seed, [], 0)
+    state = FakeRequestState(list(request.prompt_token_ids), request.num_prompt_tokens, request.sampling.seed, ([],), 0)
     output: list[int] = []
     while True:
         token_id = predict(state, vocab_size, markov)

@@ -48,7 +48,7 @@ class AheadSchedulerMachine(SchedulerMachine):
         movable = self.scheduler.take_movable()
         for request in movable:
             assert request.num_computed_tokens == 0 and request.num_output_placeholders == 0
-            assert not self.scheduler.kv_cache_manager.block_ids(request.req_id)
+            assert not any(self.scheduler.kv_cache_manager.block_ids(request.req_id))
         for request in movable:
             self.scheduler.add_requests([request])
 

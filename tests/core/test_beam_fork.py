@@ -97,7 +97,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_block(caching):
     scheduler.add_requests([root])
     step(scheduler, executor)
     assert root.num_output_tokens == 1 and root.num_computed_tokens == 10
-    root_ids = scheduler.kv_cache_manager.block_ids("root")
+    (root_ids,) = scheduler.kv_cache_manager.block_ids("root")
     plan = scheduler.schedule()  # held: never scheduled again
     assert plan.num_scheduled_tokens == {} and plan.new_requests == []
     scheduler.update_from_output(plan, executor.execute(plan))
@@ -105,7 +105,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_block(caching):
     children = children_of(root, [31, 32, 33])
     scheduler.fork_beams("root", children)
     assert root.is_finished
-    tables = {c.req_id: scheduler.kv_cache_manager.block_ids(c.req_id) for c in children}
+    tables = {c.req_id: scheduler.kv_cache_manager.block_ids(c.req_id)[0] for c in children}
     assert tables["c0"] == root_ids  # the partial block is handed over to the first child
     for req_id in ("c1", "c2"):
         assert tables[req_id][:2] == root_ids[:2] and tables[req_id][2] not in root_ids
@@ -132,15 +132,15 @@ def test_fork_block_arithmetic(prompt_len, num_copies):
     root = beam("root", list(range(1, prompt_len + 1)))
     scheduler.add_requests([root])
     step(scheduler, executor)
-    root_ids = scheduler.kv_cache_manager.block_ids("root")
+    (root_ids,) = scheduler.kv_cache_manager.block_ids("root")
     scheduler.fork_beams("root", children_of(root, [7, 8, 9]))
     plan = scheduler.schedule()
     assert len(plan.block_copies) == num_copies
     num_full = prompt_len // 4
     for new in plan.new_requests:
-        assert new.block_ids[:num_full] == root_ids[:num_full]
-        assert len(new.block_ids) == num_full + 1  # its own block for position prompt_len
-    assert len({new.block_ids[-1] for new in plan.new_requests}) == 3
+        assert new.block_ids[0][:num_full] == root_ids[:num_full]
+        assert len(new.block_ids[0]) == num_full + 1  # its own block for position prompt_len
+    assert len({new.block_ids[0][-1] for new in plan.new_requests}) == 3
     scheduler.update_from_output(plan, executor.execute(plan))
     scheduler.check_integrity()
 

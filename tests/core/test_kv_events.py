@@ -105,3 +105,18 @@ def test_the_scheduler_reports_what_its_steps_cached_and_resets_only_when_idle()
     assert stored[:2] == [h.hash_value for h in block_hashes_of(prompt, 4)]
     assert scheduler.reset_prefix_cache()
     assert scheduler.take_kv_events() == [AllBlocksCleared()]
+
+
+def test_events_follow_the_first_kv_cache_group_only():
+    """With several groups each caches its own copy of a prefix; a router hears of one."""
+    from pagoda.step import KVCacheGroupSpec
+
+    groups = (KVCacheGroupSpec((0,)), KVCacheGroupSpec((1,), 4))
+    manager = KVCacheManager(2, 20, True, True, kv_cache_groups=groups)
+    request = make_request("a", [1, 2, 3, 4, 5])
+    assert manager.allocate_slots(request, 5) is not None
+    request.num_computed_tokens = 5
+    manager.cache_full_blocks(request)
+    assert manager.block_pool.num_cached_blocks == 4  # two full blocks in each group
+    (stored,) = manager.block_pool.take_events()
+    assert len(stored.block_hashes) == 2

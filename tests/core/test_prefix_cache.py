@@ -30,14 +30,14 @@ def admit(manager, request, num_tokens=None):
 def test_allocation_on_demand():
     manager = KVCacheManager(block_size=4, num_blocks=10, enable_prefix_caching=False)
     request = make_request("a", list(range(6)))
-    assert manager.allocate_slots(request, 6) == [1, 2]
+    assert manager.allocate_slots(request, 6) == ([1, 2],)
     request.num_computed_tokens = 6
-    assert manager.allocate_slots(request, 2) == []  # positions 6, 7 fit in block 2
+    assert manager.allocate_slots(request, 2) == ([],)  # positions 6, 7 fit in block 2
     request.num_computed_tokens = 8
-    assert manager.allocate_slots(request, 1) == [3]
-    assert manager.block_ids("a") == [1, 2, 3]
+    assert manager.allocate_slots(request, 1) == ([3],)
+    assert manager.block_ids("a") == ([1, 2, 3],)
     assert manager.allocate_slots(make_request("big", [1] * 40), 40) is None  # 10 blocks > 6 free
-    assert manager.block_ids("big") == []
+    assert manager.block_ids("big") == ([],)
     manager.check_integrity()
 
 
@@ -49,7 +49,7 @@ def test_hit_reuses_full_computed_blocks_and_caps_before_last_prompt_token():
     same = make_request("b", list(range(8)))
     blocks, num_hit = manager.get_computed_blocks(same)
     assert num_hit == 4  # never the last prompt token: block 2 would cover position 7
-    assert [b.block_id for b in blocks] == manager.block_ids("a")[:1]
+    assert [b.block_id for b in blocks[0]] == manager.block_ids("a")[0][:1]
     longer = make_request("c", list(range(8)) + [50, 51])
     assert manager.get_computed_blocks(longer)[1] == 8
     assert manager.num_prefix_cached_tokens(list(range(8))) == 4
@@ -62,7 +62,7 @@ def test_hit_stops_at_first_mismatch_and_blocks_are_shared():
     compute(manager, make_request("a", [1, 2, 3, 4, 5, 6, 7]), 7)
     other = make_request("b", [1, 2, 3, 4, 0, 6, 7, 8])
     assert admit(manager, other) == 4
-    a_ids, b_ids = manager.block_ids("a"), manager.block_ids("b")
+    (a_ids,), (b_ids,) = manager.block_ids("a"), manager.block_ids("b")
     assert a_ids[:2] == b_ids[:2] and a_ids[2] != b_ids[2]
     assert manager.block_pool.blocks[a_ids[0]].ref_cnt == 2
     manager.check_integrity()
@@ -77,7 +77,7 @@ def test_hit_is_verified_against_tokens(monkeypatch):
     monkeypatch.setattr(kv_cache_manager, "hash_block_tokens", colliding)
     manager = KVCacheManager(block_size=2, num_blocks=8, enable_prefix_caching=True)
     compute(manager, make_request("a", [1, 2, 3]), 3)
-    assert manager.get_computed_blocks(make_request("b", [7, 8, 3])) == ([], 0)
+    assert manager.get_computed_blocks(make_request("b", [7, 8, 3])) == (([],), 0)
     assert manager.num_prefix_cached_tokens([1, 2, 3]) == 2
     assert manager.num_prefix_cached_tokens([7, 8, 3]) == 0
 
@@ -105,7 +105,7 @@ def test_freed_tails_are_evicted_first():
     assert manager.num_prefix_cached_tokens([1, 2, 3, 4, 5, 6, 7]) == 6
     # Taking two blocks evicts the partial block and the tail block (5, 6); the prefix stays.
     other = make_request("b", [9, 9, 9])
-    assert manager.allocate_slots(other, 3) == [4, 3]
+    assert manager.allocate_slots(other, 3) == ([4, 3],)
     assert manager.num_prefix_cached_tokens([1, 2, 3, 4, 5, 6, 7]) == 4
     manager.check_integrity()
 
@@ -119,7 +119,7 @@ def test_hits_on_evictable_blocks_count_against_free_blocks():
     blocks, num_hit = manager.get_computed_blocks(second)
     assert num_hit == 4
     assert manager.allocate_slots(second, 5, blocks) is None
-    assert manager.block_ids("b") == [] and all(b.ref_cnt == 0 for b in blocks)
+    assert manager.block_ids("b") == ([],) and all(b.ref_cnt == 0 for b in blocks[0])
     manager.check_integrity()
 
 
@@ -138,7 +138,7 @@ def test_disabled_prefix_caching_never_hits():
     manager = KVCacheManager(block_size=2, num_blocks=6, enable_prefix_caching=False)
     compute(manager, make_request("a", [1, 2, 3, 4, 5]), 5)
     assert manager.num_prefix_cached_tokens([1, 2, 3, 4, 5]) == 0
-    assert manager.get_computed_blocks(make_request("b", [1, 2, 3, 4, 5])) == ([], 0)
+    assert manager.get_computed_blocks(make_request("b", [1, 2, 3, 4, 5])) == (([],), 0)
     assert manager.block_pool.num_cached_blocks == 0
 
 

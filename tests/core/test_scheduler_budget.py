@@ -31,11 +31,11 @@ def test_long_prompt_is_chunked_and_new_requests_take_the_rest():
     plan, updates = run_plan(scheduler, executor)
     (new,) = plan.new_requests
     assert new.token_ids == list(range(20)) and new.num_prompt_tokens == 20
-    assert new.num_computed_tokens == 0 and new.block_ids == [1, 2]
+    assert new.num_computed_tokens == 0 and new.block_ids == ([1, 2],)
     assert plan.num_scheduled_tokens == {"a": 8} and updates == []
     plan, _ = run_plan(scheduler, executor)
     assert plan.new_requests == [] and plan.num_scheduled_tokens == {"a": 8}
-    assert [(c.req_id, c.new_block_ids) for c in plan.cached_requests] == [("a", [3, 4])]
+    assert [(c.req_id, c.new_block_ids) for c in plan.cached_requests] == [("a", ([3, 4],))]
     scheduler.add_requests([make_request("b", list(range(30, 40)), 3)])
     plan, updates = run_plan(scheduler, executor)
     assert plan.num_scheduled_tokens == {"a": 4, "b": 4}  # a's last chunk first, b gets the rest

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagoda.step import SamplingParams
+from pagoda.step import KVCacheGroupSpec, SamplingParams
 from scheduler_svc.core import FinishReason, Request, Scheduler, SchedulerConfig, SpeculativeConfig
 
 from .fake_executor import FakeExecutor, assert_views_agree, reference_output, run_to_completion, step
@@ -29,6 +29,11 @@ configs = st.builds(
     max_num_seqs=st.integers(1, 6),
     max_model_len=st.integers(4, 40),
     enable_prefix_caching=st.booleans(),
+)
+
+# KV cache groups: one to three, each full attention (None) or a sliding window of 1..12 tokens (short ones often)
+kv_cache_groups = st.lists(st.one_of(st.none(), st.integers(1, 6), st.integers(1, 12)), min_size=1, max_size=3).map(
+    lambda windows: tuple(KVCacheGroupSpec((i,), window) for i, window in enumerate(windows))
 )
 
 speculative_configs = st.builds(
@@ -81,10 +86,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     `speculative`: every history also drafts tokens (prompt lookup), against a fake
     model with a small vocabulary that is sometimes predictable (`markov`), so drafts
-    are accepted and rejected.
+    are accepted and rejected. `hybrid`: the executor has several KV cache groups, full
+    attention and sliding windows (`kv_cache_groups`).
     """
 
     speculative = False
+    hybrid = False
     vocab_size = VOCAB_SIZE
 
     @initialize(config=configs, data=st.data())
@@ -93,6 +100,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.speculative:
             config = dataclasses.replace(config, speculative=data.draw(speculative_configs, label="speculative"))
             self.markov = data.draw(st.booleans(), label="markov")
+        if self.hybrid:  # (sequences longer than the windows, so that they slide)
+            groups, max_model_len = data.draw(kv_cache_groups, label="groups"), data.draw(st.integers(12, 48))
+            config = dataclasses.replace(config, kv_cache_groups=groups, max_model_len=max_model_len)
         self.config = config
         self.scheduler = Scheduler(config)
         self.executor = self._new_executor()
@@ -117,7 +127,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.requests.extend(group)
 
     def _new_executor(self) -> FakeExecutor:
-        return FakeExecutor(self.config.block_size, self.config.num_blocks, self.vocab_size, self.markov)
+        return FakeExecutor(
+            self.config.block_size, self.config.num_blocks, self.vocab_size, self.markov, self.config.kv_cache_groups
+        )
 
     @rule(num_steps=st.integers(1, 4))
     def run_steps(self, num_steps: int) -> None:

@@ -43,15 +43,15 @@ def test_followers_fork_after_the_leader_prefill(caching):
     plan = scheduler.schedule()
     assert [n.req_id for n in plan.new_requests] == ["s0"] and plan.num_scheduled_tokens == {"s0": 10}
     scheduler.update_from_output(plan, executor.execute(plan))
-    leader_ids = scheduler.kv_cache_manager.block_ids("s0")
+    (leader_ids,) = scheduler.kv_cache_manager.block_ids("s0")
     plan = scheduler.schedule()
     assert plan.num_scheduled_tokens == {"s0": 1, "s1": 1, "s2": 1}
     forks = {n.req_id: n for n in plan.new_requests}
     assert set(forks) == {"s1", "s2"}
     for new in forks.values():
         assert new.token_ids == prompt and new.num_computed_tokens == 9
-        assert new.block_ids[:2] == leader_ids[:2] and new.block_ids[2] not in leader_ids
-    assert plan.block_copies == [BlockCopy(leader_ids[2], forks[f"s{i}"].block_ids[2]) for i in (1, 2)]
+        assert new.block_ids[0][:2] == leader_ids[:2] and new.block_ids[0][2] not in leader_ids
+    assert plan.block_copies == [BlockCopy(leader_ids[2], forks[f"s{i}"].block_ids[0][2]) for i in (1, 2)]
     pool = scheduler.kv_cache_manager.block_pool
     assert [pool.blocks[i].ref_cnt for i in leader_ids] == [3, 3, 1]
     assert pool.num_total_blocks - pool.num_free_blocks == 5  # the prompt is held once
@@ -72,11 +72,11 @@ def test_fork_block_arithmetic(prompt_len, num_shared, copies):
     prompt = list(range(1, prompt_len + 1))
     scheduler.add_requests(siblings(prompt, 2))
     step(scheduler, executor)
-    leader_ids = scheduler.kv_cache_manager.block_ids("s0")
+    (leader_ids,) = scheduler.kv_cache_manager.block_ids("s0")
     plan = scheduler.schedule()
     (fork,) = plan.new_requests
-    assert fork.block_ids[:num_shared] == leader_ids[:num_shared]
-    assert len(fork.block_ids) == num_shared + 1 and fork.block_ids[-1] not in leader_ids
+    assert fork.block_ids[0][:num_shared] == leader_ids[:num_shared]
+    assert len(fork.block_ids[0]) == num_shared + 1 and fork.block_ids[0][-1] not in leader_ids
     assert len(plan.block_copies) == copies
     scheduler.update_from_output(plan, executor.execute(plan))
     run_to_completion(scheduler, executor)

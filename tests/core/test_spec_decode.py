@@ -87,18 +87,18 @@ def test_rejected_drafts_roll_back_and_their_blocks_are_reused_next_step():
     plan = scheduler.schedule()
     assert plan.scheduled_spec_decode_tokens == {"a": planted}
     assert plan.num_scheduled_tokens == {"a": 5}
-    blocks_with_drafts = scheduler.kv_cache_manager.block_ids("a")
+    (blocks_with_drafts,) = scheduler.kv_cache_manager.block_ids("a")
     assert len(blocks_with_drafts) == 8  # 12 tokens + 4 drafts: positions 0..15
     result = executor.execute(plan)
     assert [t.token_id for t in result.sampled] == [next_token(prompt[3], None, 64)]  # the model disagrees at once
     scheduler.update_from_output(plan, result)
     assert request.num_computed_tokens == 12 and request.num_tokens == 13
-    assert scheduler.kv_cache_manager.block_ids("a") == blocks_with_drafts  # kept
+    assert scheduler.kv_cache_manager.block_ids("a") == (blocks_with_drafts,)  # kept
     # only the blocks of accepted tokens are cached: 12 computed -> 6 full blocks
     assert scheduler.kv_cache_manager.block_pool.num_cached_blocks == 6
     plan = scheduler.schedule()  # drafts paused after a miss: one token, on a block it holds
     assert plan.num_scheduled_tokens == {"a": 1} and not plan.scheduled_spec_decode_tokens
-    assert plan.cached_requests[0].new_block_ids == []
+    assert plan.cached_requests[0].new_block_ids == ([],)
     scheduler.update_from_output(plan, executor.execute(plan))
     run_to_completion(scheduler, executor)
     assert request.output_token_ids == reference_output(request, 10_000, markov=True)

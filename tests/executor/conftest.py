@@ -97,3 +97,23 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
         model.save_pretrained(path, max_shard_size="100KB" if kind == "llama" else "1GB")
         dirs[kind] = path
     return dirs
+
+
+@pytest.fixture(scope="session")
+def windowed_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Random tiny models with sliding windows: a Mistral whose every layer attends within 32
+    tokens, and a Qwen2 with a full-attention layer 0 and layers 1-2 within 24 tokens."""
+    from transformers import AutoModelForCausalLM
+
+    mistral = _tiny_config("mistral")
+    mistral.sliding_window = 32
+    qwen2 = _tiny_config("qwen2")
+    qwen2.num_hidden_layers = 3
+    qwen2.use_sliding_window, qwen2.max_window_layers, qwen2.sliding_window = True, 1, 24
+    qwen2.layer_types = ["full_attention", "sliding_attention", "sliding_attention"]
+    dirs = {}
+    for i, (kind, config) in enumerate((("mistral", mistral), ("qwen2", qwen2))):
+        torch.manual_seed(4321 + i)
+        dirs[kind] = tmp_path_factory.mktemp(f"tiny-{kind}-windowed")
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(dirs[kind])
+    return dirs

@@ -150,3 +150,20 @@ def record_sampled_rows(runner) -> list[str]:
 
     runner.prepare_inputs = remember
     return rows
+
+
+def run_with_scheduler(runner, scheduler, max_steps: int = 10_000) -> int:
+    """Drive `runner` with the real core `scheduler` (plans and results through the wire
+    protobufs) until it holds no request, its drops included; returns the number of steps."""
+    from pagoda import wire
+    from pagoda.v1 import executor_pb2 as pb
+
+    for num_steps in range(max_steps):
+        plan = scheduler.schedule()
+        sent = wire.plan_from_proto(pb.StepPlan.FromString(wire.plan_to_proto(plan).SerializeToString()))
+        result = runner.execute(sent)
+        scheduler.update_from_output(plan, wire.result_from_proto(pb.StepResult.FromString(wire.result_to_proto(result).SerializeToString())))
+        scheduler.check_integrity()
+        if not scheduler.has_unfinished() and not scheduler.pending_finished_req_ids:
+            return num_steps + 1
+    raise AssertionError(f"not done after {max_steps} steps")

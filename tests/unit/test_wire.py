@@ -4,6 +4,7 @@ from pagoda import wire
 from pagoda.step import (
     BlockCopy,
     CachedRequestData,
+    KVCacheGroupSpec,
     NewRequestData,
     SampledToken,
     SamplingParams,
@@ -39,7 +40,7 @@ def test_step_plan_roundtrip():
     plan = StepPlan(
         step_id=42,
         new_requests=[NewRequestData("a", [1, 2, 3], 2, sampling, [5, 9], 1)],
-        cached_requests=[CachedRequestData("b", [11]), CachedRequestData("c", [])],
+        cached_requests=[CachedRequestData("b", ([11],)), CachedRequestData("c", ([],))],
         num_scheduled_tokens={"a": 2, "b": 4, "c": 1},
         finished_req_ids=["d"],
         block_copies=[BlockCopy(9, 12)],
@@ -65,3 +66,26 @@ def test_step_result_roundtrip():
     assert [(s.req_id, s.token_id) for s in back.sampled] == [("a", 5), ("b", 0)]
     assert math.isclose(back.sampled[0].logprob, -0.5)
     assert back.sampled[0].top_logprobs == [(5, -0.5), (6, -1.25)]
+
+
+def test_block_ids_of_several_kv_cache_groups_roundtrip():
+    """Group 0 in the fields a one-group plan always had, the others beside them."""
+    plan = StepPlan(
+        step_id=3,
+        new_requests=[NewRequestData("a", [1, 2, 3], 3, SamplingParams(), ([5, 9], [0, 4], [0, 7]), 0)],
+        cached_requests=[CachedRequestData("b", ([11], [12], [13])), CachedRequestData("c", ([], [], []))],
+        num_scheduled_tokens={"a": 3, "b": 1, "c": 1},
+    )
+    msg = wire.plan_to_proto(plan)
+    assert list(msg.new_requests[0].block_ids) == [5, 9] and len(msg.new_requests[0].group_block_ids) == 2
+    assert _roundtrip(wire.plan_to_proto, wire.plan_from_proto, plan, pb.StepPlan) == plan
+    one_group = StepPlan(step_id=4, cached_requests=[CachedRequestData("b", [11])])  # a flat list: the one group's
+    assert wire.plan_to_proto(one_group).cached_requests[0].group_new_block_ids == []
+    assert wire.plan_from_proto(wire.plan_to_proto(one_group)).cached_requests[0].new_block_ids == ([11],)
+
+
+def test_kv_cache_groups_roundtrip():
+    groups = (KVCacheGroupSpec((5, 11)), KVCacheGroupSpec((0, 1), 512), KVCacheGroupSpec((2,), 512))
+    msg = pb.Register(kv_cache_groups=wire.kv_cache_groups_to_proto(groups))
+    assert wire.kv_cache_groups_from_proto(pb.Register.FromString(msg.SerializeToString()).kv_cache_groups) == groups
+    assert wire.kv_cache_groups_from_proto([]) == (KVCacheGroupSpec(()),)  # an executor naming none: one full group
