@@ -47,6 +47,7 @@ class EngineConfig:
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
+    max_requests_per_tenant: int = 0  # running + waiting requests of one API-key tenant; 0 = no limit
     executor_timeout_s: float = 2.0
     no_executor_wait_s: float = 30.0
     async_scheduling: bool = True  # plan step N+1 while step N runs
@@ -60,6 +61,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_requests_per_tenant < 0:
+            raise ValueError(f"max_requests_per_tenant must not be negative, got {self.max_requests_per_tenant}")
         if self.executor_timeout_s <= 0 or self.no_executor_wait_s < 0 or self.step_timeout_s <= 0:
             raise ValueError("executor_timeout_s and step_timeout_s must be positive and no_executor_wait_s not negative")
 

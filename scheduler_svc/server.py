@@ -1,12 +1,19 @@
 """The gRPC adapter: pagoda.v1.Generation, grpc.health.v1 and server reflection over the Engine.
 
 API keys and TLS (scheduler_svc/auth.py) wrap the server; health and reflection need no key.
+A request is its caller's tenant's
+(the engine keys it by (tenant, request_id)); `Generate` checks the tenant's share and the
+queue before it tokenizes anything.
+
+GetServerInfo shows every authenticated caller the server's totals (requests running and
+waiting, KV blocks, per executor), never a request id, a tenant or one tenant's load: what
+a router needs to balance load (vLLM's /load and /metrics and SGLang's /get_load show the
+same to any caller), and nothing one tenant can learn about another's requests from it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -16,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.auth import ApiKey, ApiKeyInterceptor, current_tenant, prefix_cache_salt
+from scheduler_svc.auth import ApiKey, ApiKeyInterceptor
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.prompts import MAX_REPLY_BYTES, PromptWorker
@@ -37,13 +44,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
+            self.engine.check_admission()  # the tenant's share and the queue, before any work
             params = await self.prompts.generate_params(request)
-            params = dataclasses.replace(params, cache_salt=prefix_cache_salt(current_tenant(), params.cache_salt))
             stream = self.engine.submit(params)
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
             return
-        log.info("request %s: %d prompt tokens, n=%d", params.request_id, len(params.prompt_token_ids), params.n)
+        log.info("request %r: %d prompt tokens, n=%d", params.request_id, len(params.prompt_token_ids), params.n)
         try:
             async for response in stream.responses():
                 yield response
@@ -51,8 +58,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(exc.code, exc.message)
         finally:
             if not stream.done:  # the client cancelled or its deadline passed
-                log.info("request %s cancelled by the client", params.request_id)
-                self.engine.abort(params.request_id)
+                log.info("request %r cancelled by the client", params.request_id)
+                self.engine.abort(params.request_id, tenant=stream.tenant)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         for request_id in request.request_ids:
@@ -80,18 +87,32 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 # gRPC's own default receive limit; every request must fit it (--max-request-bytes changes it).
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# Streams one client connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS,
+# --max-concurrent-streams). Well under gRPC's server-wide backlog of calls its handlers have
+# not taken yet (1000; past it gRPC cancels new calls of every connection at random), so one
+# connection's burst never gets another caller's calls cancelled.
+DEFAULT_MAX_CONCURRENT_STREAMS = 256
 
 
-def grpc_options(max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[tuple[str, int]]:
+def grpc_options(
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
+) -> list[tuple[str, int]]:
     """Message size limits, explicit: a larger request is refused by gRPC (RESOURCE_EXHAUSTED).
 
     SO_REUSEPORT is off: with it (gRPC's default on Linux) a second scheduler on the same port
     would start without error and silently share the first one's connections.
+
+    At most `max_concurrent_streams` streams per connection: a client's further calls wait in
+    the client until one ends. gRPC's overload protection is off: it counts a stream until its
+    memory is freed, after the client saw it end, so a client keeping to the limit would get
+    some calls refused (UNAVAILABLE, REFUSED_STREAM). A client that ignores the limit still is.
     """
     return [
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_send_message_length", MAX_REPLY_BYTES),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", max_concurrent_streams),
+        ("grpc.http.overload_protection", 0),
     ]
 
 
@@ -104,10 +125,12 @@ async def build_server(
     credentials: grpc.ServerCredentials | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     model_dir: Path | str | None = None,
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
 ) -> tuple[grpc.aio.Server, int]:
     """The server on `address`: API keys required when `api_keys`, TLS when `credentials`."""
     server = grpc.aio.server(
-        interceptors=[ApiKeyInterceptor(list(api_keys))] if api_keys else None, options=grpc_options(max_request_bytes)
+        interceptors=[ApiKeyInterceptor(list(api_keys))] if api_keys else None,
+        options=grpc_options(max_request_bytes, max_concurrent_streams),
     )
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, spec, model_name, model_dir), server)
     health_servicer = health.aio.HealthServicer()

@@ -125,3 +125,12 @@ def test_a_huge_pool_makes_no_block_until_one_is_used():
     small.get_new_blocks(2)
     assert [b.block_id for b in small.free_queue()] == [3, 4, 5]  # fresh blocks stay at the head, in order
     small.check_integrity()
+
+
+def test_tenants_share_the_queue_by_default_once_there_are_two():
+    from scheduler_svc.__main__ import requests_per_tenant
+
+    one, two = load_api_keys(["a" * 16], None), load_api_keys(["a" * 16, "b" * 16], None)
+    assert requests_per_tenant(None, [], 1024) == 0 and requests_per_tenant(None, one, 1024) == 0
+    assert requests_per_tenant(None, two, 1024) == 512
+    assert requests_per_tenant(0, two, 1024) == 0 and requests_per_tenant(3, one, 1024) == 3
