@@ -81,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_bool_flag(
         security, "--insecure-executor-link", default=False,
-        help="allow a plaintext executor link on a non-loopback --executor-bind (anyone reaching it can act as an executor)",
+        help="a plaintext executor link, without the per-user secret (anyone reaching it can act as an executor; "
+        "executors take the same flag)",
     )
     security.add_argument(
         "--generate-cluster-secret", metavar="PATH", default=None,
@@ -146,9 +147,12 @@ def max_kv_blocks(args: argparse.Namespace, kv_elements_per_token: int) -> int:
 
 
 def security_settings(args: argparse.Namespace):
-    """(link keys, API keys, TLS credentials) from the flags; raises with a message saying what to fix."""
-    link_keys = link_security.load_link_keys(args.cluster_secret_file)
-    link_security.check_link_policy(args.executor_bind, link_keys, args.insecure_executor_link)
+    """(link keys, API keys, TLS credentials) from the flags; raises with a message saying what to fix.
+
+    The link is CURVE unless --insecure-executor-link: with --cluster-secret-file, else with the
+    per-user secret (made on the first start).
+    """
+    link_keys = link_security.scheduler_link_keys(args.cluster_secret_file, args.insecure_executor_link, args.executor_bind)
     api_keys = auth.load_api_keys(args.api_key, args.api_key_file)
     credentials = auth.server_credentials(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
     return link_keys, api_keys, credentials
@@ -270,7 +274,7 @@ def main(argv=None) -> int:
         return
     try:
         settings = security_settings(args)
-    except (link_security.InsecureLinkError, ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         log.error("refusing to start: %s", exc)
         sys.exit(2)
     return run_main("scheduler_svc", lambda: asyncio.run(serve(args, *settings)))

@@ -18,11 +18,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from pagoda import link_security
 from pagoda.client.connection import TLSConfig
+from pagoda.v1 import executor_pb2 as xpb
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
 from tests.service.certs import make_pki
 from tests.service.harness import SERVICE, Service, collect, greedy_request, hf_greedy, one_torch_thread
+from tests.service.raw_peer import RawPeer
 
 ALICE = "alice-key-0123456789abcdef"
 ALICE_2 = "alice-key-2-0123456789abcdef"
@@ -231,3 +234,18 @@ def test_a_keyless_flood_on_one_connection_is_unauthenticated_and_spares_other_c
     assert log.count("without a valid API key") < 50  # counted, not one line each
 
 
+def test_the_default_executor_link_is_curve(service):
+    """No link flag at all (this service's scheduler has none): CURVE with the per-user secret."""
+    log = (service.logdir / "scheduler.log").read_text()
+    assert "executors connect to" in log and "(CURVE)" in log and "per-user secret" in log
+    path = link_security.default_secret_path()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert "CURVE" in (service.logdir / "executor0.log").read_text()  # and the executor found it
+    intruder = RawPeer(service.zmq, "intruder")  # plaintext, as any local process could before
+    try:
+        intruder.send(hello=xpb.Hello(executor_id="intruder"))
+        assert intruder.recv_all(3.0) == []
+    finally:
+        intruder.close()
+    assert [e.executor_id for e in service.server_info().executors] != ["intruder"]
+    assert len(service.server_info().executors) == 1

@@ -1,9 +1,10 @@
-"""Pure pieces of issue #13's protections: key derivation, link policy, API keys, result checks, salts, lazy pool."""
+"""Pure pieces of issues #13 and #24: key derivation, the link's default secret, API keys, result checks, salts, lazy pool."""
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 
 import pytest
 import zmq
@@ -48,14 +49,61 @@ def test_loopback_endpoints(endpoint, loopback):
     assert link_security.is_loopback_endpoint(endpoint) is loopback
 
 
-def test_a_reachable_plaintext_link_needs_the_explicit_override(caplog):
-    keys = link_security.derive_link_keys(b"k" * 64)
-    link_security.check_link_policy("tcp://0.0.0.0:5557", keys, insecure=False)
-    link_security.check_link_policy("tcp://127.0.0.1:5557", None, insecure=False)
-    with pytest.raises(link_security.InsecureLinkError, match="--generate-cluster-secret"):
-        link_security.check_link_policy("tcp://0.0.0.0:5557", None, insecure=False)
-    link_security.check_link_policy("tcp://0.0.0.0:5557", None, insecure=True)
-    assert "INSECURE" in caplog.text
+def test_without_a_secret_file_the_link_uses_a_private_per_user_secret(tmp_path, monkeypatch, caplog):
+    """Issue #24: the default link is CURVE; an executor on the host finds the scheduler's secret."""
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    path = link_security.default_secret_path()
+    assert not path.exists()
+    scheduler = link_security.scheduler_link_keys(None, insecure=False, bind="tcp://127.0.0.1:5557")
+    assert path.exists() and os.stat(path).st_mode & 0o777 == 0o600
+    assert link_security.scheduler_link_keys(None, insecure=False, bind="tcp://0.0.0.0:5557") == scheduler  # made once
+    assert link_security.executor_link_keys(None, insecure=False, endpoint="tcp://127.0.0.1:5557") == scheduler
+    assert link_security.executor_link_keys(None, insecure=False, endpoint="tcp://sched-host:5557") == scheduler
+    os.chmod(path, 0o644)  # readable by others: not a secret any more, and not used
+    with pytest.raises(ValueError, match="not private"):
+        link_security.scheduler_link_keys(None, insecure=False, bind="tcp://127.0.0.1:5557")
+    with pytest.raises(ValueError, match="not private"):
+        link_security.executor_link_keys(None, insecure=False, endpoint="tcp://127.0.0.1:5557")
+    given = link_security.make_cluster_secret(tmp_path / "given")
+    keys = link_security.derive_link_keys(link_security.read_cluster_secret(given))
+    assert link_security.scheduler_link_keys(str(given), insecure=False, bind="tcp://0.0.0.0:1") == keys
+    assert link_security.executor_link_keys(str(given), insecure=False, endpoint="tcp://h:1") == keys
+    caplog.clear()
+    assert link_security.scheduler_link_keys(None, insecure=True, bind="tcp://127.0.0.1:5557") is None
+    assert link_security.executor_link_keys(None, insecure=True, endpoint="tcp://127.0.0.1:5557") is None
+    assert caplog.text.count("INSECURE") == 2 and "--insecure-executor-link" in caplog.text
+
+
+def test_an_executor_waits_for_a_local_schedulers_secret_and_a_remote_one_needs_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="--cluster-secret-file"):  # another host's scheduler: its secret is not here
+        link_security.executor_link_keys(None, insecure=False, endpoint="tcp://10.0.0.3:5557")
+    with pytest.raises(ValueError, match="no scheduler made"):
+        link_security.executor_link_keys(None, insecure=False, endpoint="tcp://127.0.0.1:5557", wait_s=0.2, poll_s=0.05)
+    maker = threading.Timer(0.3, link_security.ensure_default_secret)
+    maker.start()
+    keys = link_security.executor_link_keys(None, insecure=False, endpoint="tcp://127.0.0.1:5557", wait_s=30, poll_s=0.05)
+    maker.join()
+    assert keys == link_security.derive_link_keys(link_security.read_private_secret(link_security.default_secret_path()))
+
+
+def test_racing_secret_makers_agree_on_one_file(tmp_path):
+    paths, errors = [], []
+
+    def make():
+        try:
+            paths.append(link_security.make_cluster_secret(tmp_path / "s"))
+        except FileExistsError:
+            errors.append(1)
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(paths) == 1 and len(errors) == 7
+    assert os.listdir(tmp_path) == ["s"]  # no temporary file left behind
+    assert len(link_security.read_cluster_secret(tmp_path / "s")) == 64
 
 
 def test_api_key_file_and_tenants(tmp_path):
