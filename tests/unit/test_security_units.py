@@ -10,13 +10,21 @@ import pytest
 import zmq
 
 from pagoda import link_security
-from pagoda.step import SampledToken, StepResult
+from pagoda.v1 import executor_pb2 as xpb
+from pagoda import wire
+from pagoda.step import MAX_ERROR_MESSAGE_CHARS, RequestError, SampledToken, StepResult
 from scheduler_svc.auth import ApiKeyInterceptor, load_api_keys, prefix_cache_salt
 from scheduler_svc.core.block_hash import ROOT_HASH, block_hashes_of, root_hash
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.request import Request
-from scheduler_svc.result_check import sampled_values_problem
+from scheduler_svc.result_check import (
+    MAX_CORE_REQ_ID_BYTES,
+    MAX_TOP_LOGPROBS_PER_TOKEN,
+    max_executor_message_bytes,
+    result_shape_problem,
+    sampled_values_problem,
+)
 
 
 def test_both_sides_derive_the_same_working_keys_and_other_secrets_differ(tmp_path):
@@ -173,6 +181,45 @@ def test_a_huge_pool_makes_no_block_until_one_is_used():
     small.get_new_blocks(2)
     assert [b.block_id for b in small.free_queue()] == [3, 4, 5]  # fresh blocks stay at the head, in order
     small.check_integrity()
+
+
+def test_a_result_is_counted_before_it_is_converted():
+    """Issue #24: 200,000 top logprobs for a request that asked for 2 are refused on their count."""
+    asked = {"a": 2, "b": 0}
+
+    def requested(step_id, req_id):
+        return asked.get(req_id) if step_id == 7 else None
+
+    def problem(result: StepResult, scheduled=frozenset({"a", "b"}), per_request=1) -> str:
+        return result_shape_problem(wire.result_to_proto(result), scheduled, per_request, requested)
+
+    top = [(i, -1.0) for i in range(2)]
+    assert problem(StepResult(7, [SampledToken("a", 1, -0.1, top), SampledToken("b", 2, -0.1)])) == ""
+    flood = [(i, -1.0) for i in range(200_000)]
+    assert "200000 top logprobs for 'a', which asked for 2" in problem(StepResult(7, [SampledToken("a", 1, -0.1, flood)]))
+    assert "which asked for 0" in problem(StepResult(7, [SampledToken("b", 1, -0.1, top)]))
+    assert "unscheduled request 'c'" in problem(StepResult(7, [SampledToken("c", 1)]))
+    three = [SampledToken("a", 1), SampledToken("a", 2), SampledToken("b", 3)]
+    assert "3 tokens" in problem(StepResult(7, three[:2] + three[1:2]))  # more than one a request
+    assert problem(StepResult(7, three), per_request=2) == ""  # a drafts' step: 1 + 1 draft each
+    assert "errors" in problem(StepResult(7, errors=[RequestError("a", "x")] * 3))
+
+
+def test_the_largest_legal_executor_message_fits_the_link_limit():
+    """ZMQ_MAXMSGSIZE is the size of the largest honest result, every field at its widest."""
+    rows = 3
+    req_id = "\U0010ffff" * (MAX_CORE_REQ_ID_BYTES // 4)
+    top = [(2**32 - 1, -1e-30)] * MAX_TOP_LOGPROBS_PER_TOKEN
+    widest = StepResult(
+        2**64 - 1,
+        [SampledToken(req_id, 2**32 - 1, -3.4e38, top) for _ in range(rows)],
+        [RequestError(req_id, "\U0010ffff" * MAX_ERROR_MESSAGE_CHARS) for _ in range(rows)],
+    )
+    message = wire.result_to_proto(widest)
+    message.error = "\U0010ffff" * MAX_ERROR_MESSAGE_CHARS
+    size = xpb.ExecutorMessage(step_result=message).ByteSize()
+    assert size <= max_executor_message_bytes(rows) < size + 64
+    assert max_executor_message_bytes(2048) < 64 * 2**20  # the 1 GB message of issue #24 is refused
 
 
 def test_tenants_share_the_queue_by_default_once_there_are_two():
