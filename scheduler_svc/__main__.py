@@ -150,11 +150,18 @@ def security_settings(args: argparse.Namespace):
     """(link keys, API keys, TLS credentials) from the flags; raises with a message saying what to fix.
 
     The link is CURVE unless --insecure-executor-link: with --cluster-secret-file, else with the
-    per-user secret (made on the first start).
+    per-user secret (made on the first start). Warns when the gRPC port is reachable from other
+    hosts without an API key.
     """
     link_keys = link_security.scheduler_link_keys(args.cluster_secret_file, args.insecure_executor_link, args.executor_bind)
     api_keys = auth.load_api_keys(args.api_key, args.api_key_file)
     credentials = auth.server_credentials(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+    if not api_keys and not link_security.is_loopback_endpoint(f"tcp://{_bracketed(args.host)}:{args.port or 1}"):
+        log.warning(
+            "--host %s is reachable from other hosts and no API key is required: anyone who reaches port %d can "
+            "generate, read server load and abort requests. Pass --api-key or --api-key-file (env PAGODA_API_KEY)",
+            args.host, args.port,
+        )
     return link_keys, api_keys, credentials
 
 
@@ -163,6 +170,10 @@ def requests_per_tenant(flag: int | None, api_keys, max_waiting_requests: int) -
     if flag is not None:
         return flag
     return max(1, max_waiting_requests // 2) if len({key.tenant for key in api_keys}) >= 2 else 0
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _refuse(p: argparse.ArgumentParser, message: str) -> None:

@@ -1,7 +1,8 @@
 """The gRPC adapter: pagoda.v1.Generation, grpc.health.v1 and server reflection over the Engine.
 
 API keys and TLS (scheduler_svc/auth.py) wrap the server; health and reflection need no key.
-A request is its caller's tenant's
+Requests are parsed inside their handlers (scheduler_svc/request_decoding.py), after the key
+check: a message that does not parse is INVALID_ARGUMENT. A request is its caller's tenant's
 (the engine keys it by (tenant, request_id)); `Generate` checks the tenant's share and the
 queue before it tokenizes anything.
 
@@ -27,6 +28,7 @@ from scheduler_svc.auth import ApiKey, ApiKeyInterceptor
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.prompts import MAX_REPLY_BYTES, PromptWorker
+from scheduler_svc.request_decoding import DecodeRequests
 from scheduler_svc.tokenizer import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -127,10 +129,13 @@ async def build_server(
     model_dir: Path | str | None = None,
     max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
 ) -> tuple[grpc.aio.Server, int]:
-    """The server on `address`: API keys required when `api_keys`, TLS when `credentials`."""
+    """The server on `address`: API keys required when `api_keys`, TLS when `credentials`.
+
+    The API-key interceptor comes first: a request without a key is refused unparsed.
+    """
+    keys = [ApiKeyInterceptor(list(api_keys))] if api_keys else []
     server = grpc.aio.server(
-        interceptors=[ApiKeyInterceptor(list(api_keys))] if api_keys else None,
-        options=grpc_options(max_request_bytes, max_concurrent_streams),
+        interceptors=[*keys, DecodeRequests()], options=grpc_options(max_request_bytes, max_concurrent_streams)
     )
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, spec, model_name, model_dir), server)
     health_servicer = health.aio.HealthServicer()

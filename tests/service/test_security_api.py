@@ -234,6 +234,41 @@ def test_a_keyless_flood_on_one_connection_is_unauthenticated_and_spares_other_c
     assert log.count("without a valid API key") < 50  # counted, not one line each
 
 
+def _raw_call(svc, pki, key, method: str, payload: bytes, stream: bool):
+    channel = svc.open_channel(channel_credentials(str(pki.ca)), key)
+    call = (channel.unary_stream if stream else channel.unary_unary)(f"/pagoda.v1.Generation/{method}")
+    try:
+        result = call(payload, timeout=30)
+        return list(result) if stream else result
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("payload", [b"\x0a\x03\xff\xfe\xfd", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x04\xc3\x28ab"],
+                         ids=["request_id-not-utf8", "corrupt-wire-format", "prompt-text-not-utf8"])
+@pytest.mark.parametrize("method, stream", [("Generate", True), ("Tokenize", False)])
+def test_a_message_that_does_not_parse_is_invalid_argument(service, pki, payload, method, stream):
+    with pytest.raises(grpc.RpcError) as err:
+        _raw_call(service, pki, BOB, method, payload, stream)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith("request: not a valid message")
+    with pytest.raises(grpc.RpcError) as err:  # without a key it is never parsed
+        _raw_call(service, pki, None, method, payload, stream)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert service.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).vocab_size > 0
+
+
+def test_request_ids_are_logged_escaped(service):
+    forged = "x\n2026-01-01 00:00:00,000 INFO scheduler_svc.engine: FORGED\x00\x1b[2J"
+    out = collect(service.stub.Generate(greedy_request(prompt_ids=[5, 6], max_tokens=1, request_id=forged), timeout=120))
+    assert out["first"].request_id == forged
+    time.sleep(0.5)
+    log = (service.logdir / "scheduler.log").read_text()
+    assert "\x1b" not in log and "\x00" not in log
+    assert not any(line.startswith("2026-01-01") for line in log.splitlines())
+    assert repr(forged) in log
+
+
 def test_the_default_executor_link_is_curve(service):
     """No link flag at all (this service's scheduler has none): CURVE with the per-user secret."""
     log = (service.logdir / "scheduler.log").read_text()

@@ -222,6 +222,19 @@ def test_the_largest_legal_executor_message_fits_the_link_limit():
     assert max_executor_message_bytes(2048) < 64 * 2**20  # the 1 GB message of issue #24 is refused
 
 
+def test_a_reachable_grpc_port_without_an_api_key_is_warned_about(tmp_path, monkeypatch, caplog):
+    from scheduler_svc.__main__ import parse_args, security_settings
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    for host, warned in (("127.0.0.1", False), ("localhost", False), ("0.0.0.0", True), ("::", True), ("10.1.2.3", True)):
+        caplog.clear()
+        security_settings(parse_args(["--host", host]))
+        assert ("--api-key" in caplog.text and f"--host {host}" in caplog.text) is warned, (host, caplog.text)
+    caplog.clear()
+    security_settings(parse_args(["--host", "0.0.0.0", "--api-key", "k" * 16]))
+    assert "--api-key" not in caplog.text
+
+
 def test_tenants_share_the_queue_by_default_once_there_are_two():
     from scheduler_svc.__main__ import requests_per_tenant
 
