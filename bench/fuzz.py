@@ -4,8 +4,10 @@
     python bench/fuzz.py --target 127.0.0.1:50051 --examples 500
 
 Every field is drawn, extremes included: huge, negative (where the type allows), NaN, +-Inf,
-empty, duplicated request ids sent at once, any unicode. Each example is a batch of 1-4
-requests sent together, some cancelled early, all under a short client deadline. A merely bad
+empty, duplicated request ids sent at once, any unicode. Some requests go out as raw bytes
+that are no valid message: truncated, a byte flipped, a string field that is not UTF-8 (a
+lone surrogate, a bare continuation byte). Each example is a batch of 1-4 requests sent
+together, some cancelled early, all under a short client deadline. A merely bad
 request must get INVALID_ARGUMENT (or ALREADY_EXISTS, RESOURCE_EXHAUSTED), a good one OK;
 UNKNOWN, INTERNAL or UNAVAILABLE is a failure. Afterwards the service must be serving, with
 every KV block free. Prints a table of the statuses seen and exits 1 on any failure.
@@ -79,6 +81,27 @@ _FIELDS = {
 _SAMPLING = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "seed", "n", "beam_width")
 
 
+# Bytes a string field may hold that are no UTF-8: a lone surrogate (CESU), a bare continuation
+# byte, an overlong "/", a truncated 4-byte sequence.
+_BAD_UTF8 = [b"\xed\xa0\x80", b"\x80", b"\xc0\xaf", b"\xf0\x9f\x98"]
+_STRING_FIELDS = [1, 2]  # GenerateRequest.request_id, .text
+
+
+@st.composite
+def corrupt_requests(draw) -> bytes:
+    """A serialized request made invalid: cut short, a byte flipped, or a string field that is not UTF-8."""
+    raw = draw(generate_requests()).SerializeToString()
+    how = draw(st.sampled_from(["truncate", "flip", "bad_utf8"]))
+    if how == "truncate" and len(raw) > 1:
+        return raw[: draw(st.integers(1, len(raw) - 1))]
+    if how == "flip" and raw:
+        i = draw(st.integers(0, len(raw) - 1))
+        return raw[:i] + bytes([raw[i] ^ draw(st.integers(1, 255))]) + raw[i + 1 :]
+    bad = draw(st.sampled_from(_BAD_UTF8))
+    text = draw(st.binary(max_size=4)) + bad + draw(st.binary(max_size=4))
+    return raw + bytes([draw(st.sampled_from(_STRING_FIELDS)) << 3 | 2, len(text)]) + text  # the last value wins
+
+
 @st.composite
 def generate_requests(draw) -> pb.GenerateRequest:
     """A request that is well-formed but for 0-3 fields drawn from anything their type allows."""
@@ -122,8 +145,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
     return req
 
 
-# one example: a few requests sent at once, each maybe cancelled after its first message
-batches = st.lists(st.tuples(generate_requests(), st.booleans()), min_size=1, max_size=4)
+# one example: a few requests sent at once (one in ten as corrupt bytes), each maybe cancelled after its first message
+_requests = st.integers(0, 9).flatmap(lambda i: corrupt_requests() if i == 0 else generate_requests())
+batches = st.lists(st.tuples(_requests, st.booleans()), min_size=1, max_size=4)
 
 
 @dataclass
@@ -134,8 +158,9 @@ class FuzzReport:
     failures: list[str] = field(default_factory=list)
 
 
-def _send(stub, req: pb.GenerateRequest, cancel: bool, timeout_s: float) -> tuple[grpc.StatusCode, str]:
-    call = stub.Generate(req, timeout=timeout_s)
+def _send(generate, req: pb.GenerateRequest | bytes, cancel: bool, timeout_s: float) -> tuple[grpc.StatusCode, str]:
+    """`generate`: Generate taking a request or its bytes (a pass-through serializer)."""
+    call = generate(req.SerializeToString() if isinstance(req, pb.GenerateRequest) else req, timeout=timeout_s)
     try:
         for _ in call:
             if cancel:
@@ -150,7 +175,7 @@ def run_fuzz(target: str, examples: int, timeout_s: float = 3.0, seed: int | Non
     t0 = time.monotonic()
     report = FuzzReport()
     channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 * 2**20)])
-    stub = pb_grpc.GenerationStub(channel)
+    generate = channel.unary_stream("/pagoda.v1.Generation/Generate", response_deserializer=pb.GenerateResponse.FromString)
     pool = concurrent.futures.ThreadPoolExecutor(4)
 
     @settings(
@@ -160,7 +185,7 @@ def run_fuzz(target: str, examples: int, timeout_s: float = 3.0, seed: int | Non
     @given(batch=batches)
     def check(batch):
         report.examples += 1
-        futures = [(req, pool.submit(_send, stub, req, cancel, timeout_s)) for req, cancel in batch]
+        futures = [(req, pool.submit(_send, generate, req, cancel, timeout_s)) for req, cancel in batch]
         for req, future in futures:
             code, details = future.result()
             report.requests += 1
@@ -179,8 +204,8 @@ def run_fuzz(target: str, examples: int, timeout_s: float = 3.0, seed: int | Non
     return report
 
 
-def _describe(req: pb.GenerateRequest) -> str:
-    text = str(req).replace("\n", " ")
+def _describe(req: pb.GenerateRequest | bytes) -> str:
+    text = repr(req) if isinstance(req, bytes) else str(req).replace("\n", " ")
     return text if len(text) < 600 else text[:600] + "..."
 
 

@@ -17,7 +17,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from pagoda import link_security, model_files  # noqa: E402
-from pagoda.cli import StartupError, add_flag, run_main  # noqa: E402
+from pagoda.cli import StartupError, add_bool_flag, add_flag, run_main  # noqa: E402
 from executor_svc.parallel import is_group  # noqa: E402
 from executor_svc.worker import Worker, WorkerConfig  # noqa: E402
 
@@ -47,7 +47,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--executor-id", default="", help="default: host-pid-random")
     add_flag(
         p, "--cluster-secret-file", default=None,
-        help="the scheduler's cluster secret: authenticates and encrypts the link (CURVE); must match the scheduler's",
+        help="the scheduler's cluster secret: authenticates and encrypts the link (CURVE); must match the scheduler's "
+        "(default: the per-user secret a scheduler on this host makes in the cache directory)",
+    )
+    add_bool_flag(
+        p, "--insecure-executor-link", default=False,
+        help="a plaintext link, for a scheduler started with --insecure-executor-link",
     )
     add_flag(p, "--log-level", default="INFO")
     # Tensor parallelism (executor_svc/parallel): one executor made of N ranks.
@@ -132,14 +137,11 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             raise StartupError(f"cannot load the model from {model_dir}: {exc} (--model)") from None
 
     try:
-        link_keys = link_security.load_link_keys(args.cluster_secret_file)
+        link_keys = link_security.executor_link_keys(args.cluster_secret_file, args.insecure_executor_link, args.scheduler)
     except (OSError, ValueError) as exc:
-        log.error("cannot use --cluster-secret-file: %s", exc)
+        log.error("no key for the executor link: %s", exc)
         return 2
-    log.info(
-        "link to %s: %s", args.scheduler,
-        "CURVE, keys from the cluster secret" if link_keys else "plaintext (no --cluster-secret-file)",
-    )
+    log.info("link to %s: %s", args.scheduler, "CURVE, keys from the cluster secret" if link_keys else "plaintext")
     worker_config = WorkerConfig(scheduler=args.scheduler, executor_id=args.executor_id, link_keys=link_keys)
 
     def make_worker(runner_factory) -> Worker:

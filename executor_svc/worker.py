@@ -44,6 +44,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pagoda import link_security, wire
 from pagoda.link_security import LinkKeys
+from pagoda.step import MAX_ERROR_MESSAGE_CHARS
 from pagoda.v1 import executor_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -256,13 +257,16 @@ class Worker:
                 return 0
 
     def _execute(self, plan_msg: pb.StepPlan) -> pb.StepResult:
+        """The step's result; error messages cut to what the scheduler accepts (it bounds a message's size)."""
         try:
-            result = self._runner.execute(wire.plan_from_proto(plan_msg))
-            return wire.result_to_proto(result)
+            result = wire.result_to_proto(self._runner.execute(wire.plan_from_proto(plan_msg)))
+            for error in result.errors:
+                error.message = error.message[:MAX_ERROR_MESSAGE_CHARS]
+            return result
         except Exception:
             log.exception("step %d failed", plan_msg.step_id)
             self._runner.reset()
-            return pb.StepResult(step_id=plan_msg.step_id, error=traceback.format_exc(limit=5))
+            return pb.StepResult(step_id=plan_msg.step_id, error=traceback.format_exc(limit=5)[-MAX_ERROR_MESSAGE_CHARS:])
 
     def _heartbeat_loop(self) -> None:
         sock = self._link_socket(f"{self.executor_id}/hb", linger_ms=0, sndhwm=4)

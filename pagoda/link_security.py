@@ -12,6 +12,14 @@ its ZAP handler admits, and nothing else); an executor is a CURVE client (the cl
 the server public key). A peer without the secret knows neither public key: its handshake
 fails before any message is read, so it hears nothing. CURVE also encrypts the link, with
 per-connection keys (a recorded link stays secret even if the cluster secret leaks later).
+
+Authenticated by default. Without `--cluster-secret-file`, the scheduler uses a per-user
+secret in the cache directory (`<PAGODA_CACHE_DIR>/cluster.secret`, made on its first start,
+mode 600), and an executor on the same host finds it there (waiting for it, if it starts
+first); so `make run` and the tests run CURVE too. That file is used only if it belongs to
+this user and nobody else may read or write it. An executor of a scheduler on another host
+takes a copy (`--cluster-secret-file`). Plaintext only with `--insecure-executor-link`, on
+both ends, logged as a warning.
 """
 
 from __future__ import annotations
@@ -24,16 +32,21 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+import tempfile
+import time
 from urllib.parse import urlsplit
 
 import zmq
 from zmq.utils import z85
+
+from pagoda import model_files
 
 log = logging.getLogger(__name__)
 
 SECRET_BYTES = 32
 MIN_SECRET_CHARS = 32  # 128 bits of hex
 ZAP_DOMAIN = "pagoda"
+DEFAULT_SECRET_NAME = "cluster.secret"
 
 MAKE_SECRET_HINT = (
     "Make one with `python -m scheduler_svc --generate-cluster-secret PATH` (or "
@@ -56,13 +69,63 @@ class LinkKeys:
 
 
 def make_cluster_secret(path: str | os.PathLike) -> Path:
-    """Write a new random secret (hex, owner-readable only); refuses to overwrite a file."""
+    """Write a new random secret (hex, owner-readable only); refuses to overwrite a file (FileExistsError).
+
+    Atomic: the file appears whole or not at all (written beside it, then linked into place),
+    so a process that races to make or read the same file never sees it half written.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(SECRET_BYTES) + "\n")
+    text = secrets.token_hex(SECRET_BYTES) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: exclusive create (not atomic, but never overwrites)
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(text)
+    finally:
+        os.unlink(tmp)
     return path
+
+
+def default_secret_path() -> Path:
+    """The per-user secret of the executor link when no --cluster-secret-file is given."""
+    return model_files.cache_dir() / DEFAULT_SECRET_NAME
+
+
+def ensure_default_secret() -> Path:
+    """The per-user secret, made now if this is the first start (racing schedulers agree on one)."""
+    path = default_secret_path()
+    try:
+        make_cluster_secret(path)
+        log.info("made the executor link's secret %s (mode 600; executors on this host read it)", path)
+    except FileExistsError:
+        pass
+    return path
+
+
+def read_private_secret(path: str | os.PathLike) -> bytes:
+    """The secret in `path`, refused (ValueError) unless this user owns it and nobody else may read or write it.
+
+    For the default secret, which nobody named: a file someone else planted could hold a
+    secret they know.
+    """
+    path = Path(path)
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(
+            f"the executor link secret {path} is not private (owner uid {info.st_uid}, mode "
+            f"{stat.S_IMODE(info.st_mode):o}): remove it (a new one is made on the scheduler's next "
+            f"start) or pass --cluster-secret-file"
+        )
+    return read_cluster_secret(path)
 
 
 def read_cluster_secret(path: str | os.PathLike) -> bytes:
@@ -90,6 +153,64 @@ def derive_link_keys(secret: bytes) -> LinkKeys:
 
 def load_link_keys(secret_file: str | os.PathLike | None) -> LinkKeys | None:
     return derive_link_keys(read_cluster_secret(secret_file)) if secret_file else None
+
+
+def scheduler_link_keys(secret_file: str | None, insecure: bool, bind: str) -> LinkKeys | None:
+    """The scheduler's keys: `--cluster-secret-file`, else the per-user secret (made on first start).
+
+    None (plaintext) only with `insecure` (--insecure-executor-link), with a warning.
+    Raises OSError or ValueError naming the file when it cannot be used.
+    """
+    if secret_file:
+        if insecure:
+            log.warning("--insecure-executor-link has no effect: the link uses --cluster-secret-file %s", secret_file)
+        return load_link_keys(secret_file)
+    if insecure:
+        reach = "on this host" if is_loopback_endpoint(bind) else "that reaches it"
+        log.warning(
+            "INSECURE: executor link %s is plaintext (--insecure-executor-link): any process %s can register "
+            "as an executor, read every prompt and write any tokens",
+            bind, reach,
+        )
+        return None
+    path = ensure_default_secret()
+    keys = derive_link_keys(read_private_secret(path))
+    log.info(
+        "executor link %s: CURVE with the per-user secret %s (executors on this host find it; "
+        "give others a copy with --cluster-secret-file)", bind, path,
+    )
+    return keys
+
+
+def executor_link_keys(
+    secret_file: str | None, insecure: bool, endpoint: str, wait_s: float = 600.0, poll_s: float = 0.5
+) -> LinkKeys | None:
+    """An executor's keys: `--cluster-secret-file`, else the per-user secret of a scheduler on this host.
+
+    For a loopback `endpoint` the per-user secret is waited for (up to `wait_s`): the scheduler
+    makes it on its first start, which may come after ours. None (plaintext) only with
+    `insecure`. Raises ValueError saying which flag to pass when there is no secret to use.
+    """
+    if secret_file:
+        return load_link_keys(secret_file)
+    if insecure:
+        log.warning("INSECURE: the link to %s is plaintext (--insecure-executor-link)", endpoint)
+        return None
+    path = default_secret_path()
+    if not path.exists() and not is_loopback_endpoint(endpoint):
+        raise ValueError(
+            f"no secret for the executor link to {endpoint}: pass --cluster-secret-file with a copy of the "
+            f"scheduler's (its host's {DEFAULT_SECRET_NAME} in the cache directory, or its --cluster-secret-file), "
+            f"or --insecure-executor-link if the scheduler runs with it"
+        )
+    deadline = time.monotonic() + wait_s
+    if not path.exists():
+        log.info("waiting for the scheduler to make the executor link's secret %s", path)
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise ValueError(f"no scheduler made the executor link's secret {path} in {wait_s:g} s (--cluster-secret-file)")
+        time.sleep(poll_s)
+    return derive_link_keys(read_private_secret(path))
 
 
 def configure_server(sock: zmq.Socket, keys: LinkKeys) -> None:
@@ -123,29 +244,3 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # "*", an interface name or a host name: not provably loopback
         return False
-
-
-class InsecureLinkError(RuntimeError):
-    pass
-
-
-def check_link_policy(bind: str, keys: LinkKeys | None, insecure: bool) -> None:
-    """Refuse a plaintext link that other hosts can reach unless `insecure` (--insecure-executor-link) says so."""
-    if keys is not None:
-        if insecure:
-            log.warning("--insecure-executor-link has no effect: the link uses the cluster secret")
-        return
-    if is_loopback_endpoint(bind):
-        log.info("executor link %s is plaintext (loopback only; pass --cluster-secret-file to authenticate it)", bind)
-        return
-    if not insecure:
-        raise InsecureLinkError(
-            f"--executor-bind {bind} is reachable from other hosts but no cluster secret is given: anyone who "
-            f"can reach it could register as an executor, read every prompt and write any tokens. "
-            f"{MAKE_SECRET_HINT}. (--insecure-executor-link starts anyway, unauthenticated.)"
-        )
-    log.warning(
-        "INSECURE: executor link %s accepts any peer without authentication or encryption "
-        "(--insecure-executor-link); any host that reaches it can read prompts and forge tokens",
-        bind,
-    )

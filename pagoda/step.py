@@ -60,6 +60,9 @@ from pagoda.constraint import Constraint
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# The longest error message a StepResult carries (`StepResult.error`, `RequestError.message`):
+# the executor cuts longer ones, and the scheduler sizes its limit on a link message by it.
+MAX_ERROR_MESSAGE_CHARS = 4096
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pagoda.cli import StartupError, add_bool_flag, add_flag, env_name, run_main
 from scheduler_svc import auth
 from scheduler_svc.core import SpeculativeConfig
 from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.server import DEFAULT_MAX_REQUEST_BYTES, build_server
+from scheduler_svc.server import DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_MAX_REQUEST_BYTES, build_server
 from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
 
 log = logging.getLogger("scheduler_svc")
@@ -43,6 +43,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
     add_bool_flag(p, "--enable-prefix-caching", default=True, help="reuse the KV blocks of shared prefixes")
     add_flag(p, "--max-waiting-requests", type=int, default=1024, help="queue bound (RESOURCE_EXHAUSTED past it)")
+    add_flag(
+        p, "--max-requests-per-tenant", type=int, default=None,
+        help="running + waiting requests of one API-key tenant (RESOURCE_EXHAUSTED past it; 0 = no limit; "
+        "default: half of --max-waiting-requests when the keys name two tenants or more, else no limit)",
+    )
+    add_flag(
+        p, "--max-concurrent-streams", type=int, default=DEFAULT_MAX_CONCURRENT_STREAMS,
+        help="streams one client connection may have open at once (gRPC's grpc.max_concurrent_streams; "
+        "further calls wait in the client)",
+    )
     add_flag(p, "--executor-timeout", type=float, default=2.0, help="seconds without heartbeat before an executor is dead")
     add_flag(p, "--no-executor-wait", type=float, default=30.0, help="seconds a request waits for an executor, then UNAVAILABLE")
     add_bool_flag(
@@ -71,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_bool_flag(
         security, "--insecure-executor-link", default=False,
-        help="allow a plaintext executor link on a non-loopback --executor-bind (anyone reaching it can act as an executor)",
+        help="a plaintext executor link, without the per-user secret (anyone reaching it can act as an executor; "
+        "executors take the same flag)",
     )
     security.add_argument(
         "--generate-cluster-secret", metavar="PATH", default=None,
@@ -94,13 +105,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.api_key = [os.environ[env_name("--api-key")]]
     if args.max_kv_blocks is not None and args.max_kv_blocks < 2:
         p.error("--max-kv-blocks must be at least 2")
-    for flag in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests", "max_request_bytes"):
+    for flag in (
+        "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests", "max_request_bytes",
+        "max_concurrent_streams",
+    ):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             _refuse(p, f"--{flag.replace('_', '-')} must be positive, got {value}")
     for flag in ("executor_timeout", "step_timeout"):
         if not getattr(args, flag) > 0:
             _refuse(p, f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.max_requests_per_tenant is not None and args.max_requests_per_tenant < 0:
+        _refuse(p, f"--max-requests-per-tenant must not be negative (0 = no limit), got {args.max_requests_per_tenant}")
     if args.no_executor_wait < 0 or args.shutdown_grace < 0:
         _refuse(p, "--no-executor-wait and --shutdown-grace must not be negative")
     for flag in ("port", "metrics_port"):
@@ -131,12 +147,33 @@ def max_kv_blocks(args: argparse.Namespace, kv_elements_per_token: int) -> int:
 
 
 def security_settings(args: argparse.Namespace):
-    """(link keys, API keys, TLS credentials) from the flags; raises with a message saying what to fix."""
-    link_keys = link_security.load_link_keys(args.cluster_secret_file)
-    link_security.check_link_policy(args.executor_bind, link_keys, args.insecure_executor_link)
+    """(link keys, API keys, TLS credentials) from the flags; raises with a message saying what to fix.
+
+    The link is CURVE unless --insecure-executor-link: with --cluster-secret-file, else with the
+    per-user secret (made on the first start). Warns when the gRPC port is reachable from other
+    hosts without an API key.
+    """
+    link_keys = link_security.scheduler_link_keys(args.cluster_secret_file, args.insecure_executor_link, args.executor_bind)
     api_keys = auth.load_api_keys(args.api_key, args.api_key_file)
     credentials = auth.server_credentials(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+    if not api_keys and not link_security.is_loopback_endpoint(f"tcp://{_bracketed(args.host)}:{args.port or 1}"):
+        log.warning(
+            "--host %s is reachable from other hosts and no API key is required: anyone who reaches port %d can "
+            "generate, read server load and abort requests. Pass --api-key or --api-key-file (env PAGODA_API_KEY)",
+            args.host, args.port,
+        )
     return link_keys, api_keys, credentials
+
+
+def requests_per_tenant(flag: int | None, api_keys, max_waiting_requests: int) -> int:
+    """--max-requests-per-tenant, or its default: half the queue once two tenants or more share it (0 = no limit)."""
+    if flag is not None:
+        return flag
+    return max(1, max_waiting_requests // 2) if len({key.tenant for key in api_keys}) >= 2 else 0
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _refuse(p: argparse.ArgumentParser, message: str) -> None:
@@ -161,7 +198,8 @@ async def _listen(args: argparse.Namespace, engine: Engine, spec, model_name: st
         if args.port:  # ask the OS first: gRPC would also log its own multi-line error
             socket.create_server((args.host, args.port)).close()
         server, port = await build_server(
-            engine, spec, model_name, address, api_keys, credentials, args.max_request_bytes, model_dir=model_dir
+            engine, spec, model_name, address, api_keys, credentials, args.max_request_bytes, model_dir=model_dir,
+            max_concurrent_streams=args.max_concurrent_streams,
         )
     except (OSError, RuntimeError) as exc:
         cause = getattr(exc, "strerror", None) or "the port is in use or the address is not local"
@@ -194,6 +232,7 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
         max_model_len=max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         max_waiting_requests=args.max_waiting_requests,
+        max_requests_per_tenant=requests_per_tenant(args.max_requests_per_tenant, api_keys, args.max_waiting_requests),
         executor_timeout_s=args.executor_timeout,
         no_executor_wait_s=args.no_executor_wait,
         async_scheduling=args.async_scheduling and speculative is None,
@@ -246,7 +285,7 @@ def main(argv=None) -> int:
         return
     try:
         settings = security_settings(args)
-    except (link_security.InsecureLinkError, ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         log.error("refusing to start: %s", exc)
         sys.exit(2)
     return run_main("scheduler_svc", lambda: asyncio.run(serve(args, *settings)))

@@ -8,10 +8,14 @@ so load balancers and probes need no key. A key is compared with every configure
 in constant time (`hmac.compare_digest`, no early exit), so timing tells nothing about how
 much of a guess was right.
 
-Tenants. A key's tenant scopes the prefix cache: requests of different tenants never hit
-each other's cached blocks (see `prefix_cache_salt`). A key without a tenant is a tenant
-of its own. The servicer reads the caller's tenant with `current_tenant()` (a context
-variable the interceptor sets around the handler).
+Tenants. A key's tenant scopes the prefix cache (requests of different tenants never hit
+each other's cached blocks, see `prefix_cache_salt`), the request ids (the engine keys a
+request by (tenant, request_id): no tenant sees, collides with or aborts another's) and a
+share of the queue (--max-requests-per-tenant). A key without a tenant is a tenant of its
+own. The engine reads the caller's tenant with `current_tenant()` (a context variable the
+interceptor sets around the handler), so every servicer on the server gets the same rules.
+Refusals are logged at most once per REFUSAL_LOG_INTERVAL_S, counted: a keyless flood is
+no flood of log lines.
 
 TLS. `--ssl-certfile` + `--ssl-keyfile` serve TLS; `--ssl-ca-certs` adds mutual TLS: clients
 must present a certificate signed by that CA.
@@ -23,6 +27,8 @@ import contextvars
 import hashlib
 import hmac
 import logging
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +38,9 @@ log = logging.getLogger(__name__)
 
 # The services whose every RPC needs a key (the engine protocol serves the same requests).
 PROTECTED_PREFIXES = ("/pagoda.v1.Generation/", "/vllm.grpc.engine.VllmEngine/")
+# Refusals are logged at most once per interval, with their count: a flood of keyless calls
+# must not become a flood of log lines.
+REFUSAL_LOG_INTERVAL_S = 10.0
 _TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("pagoda_tenant", default="")
 
 
@@ -92,6 +101,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if not keys:
             raise ValueError("ApiKeyInterceptor needs at least one key")
         self._keys = keys
+        self._num_refused = 0
+        self._last_refusal_log = -math.inf
 
     def tenant_of(self, token: bytes | None) -> str | None:
         """The tenant of `token`, None if it is no key. Looks at every key whatever matches."""
@@ -107,9 +118,16 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         tenant = self.tenant_of(_bearer(handler_call_details.invocation_metadata))
         if tenant is None:
-            log.warning("refused %s: no valid API key", handler_call_details.method)
+            self._log_refusal(handler_call_details.method)
             return _refusing(handler)
         return _with_tenant(handler, tenant)
+
+    def _log_refusal(self, method: str) -> None:
+        self._num_refused += 1
+        now = time.monotonic()
+        if now - self._last_refusal_log >= REFUSAL_LOG_INTERVAL_S:
+            log.warning("refused %d RPCs without a valid API key (the latest: %s)", self._num_refused, method)
+            self._num_refused, self._last_refusal_log = 0, now
 
 
 _MESSAGE = "a valid API key is required: metadata `authorization: Bearer <key>`"

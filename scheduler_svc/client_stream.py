@@ -42,8 +42,12 @@ class _Done:
 
 @dataclass
 class ClientStream:
+    """One client request. `key` = (tenant, request_id) names it to the engine; `core_id` its core requests."""
+
     params: GenerateParams
     samples: list[SampleStream]
+    tenant: str = ""
+    core_id: str = ""  # unique in the engine: core request ids are `<i>:<core_id>` (beams `beam<k>:<core_id>`)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     num_cached_tokens: int = 0
@@ -51,21 +55,28 @@ class ClientStream:
     done: bool = False
 
     @classmethod
-    def create(cls, params: GenerateParams, tokenizer: PreTrainedTokenizerBase) -> ClientStream:
+    def create(
+        cls, params: GenerateParams, tokenizer: PreTrainedTokenizerBase, tenant: str = "", core_id: str | None = None
+    ) -> ClientStream:
+        core_id = params.request_id if core_id is None else core_id
         samples = [
             SampleStream(
                 index=i,
-                core_req_id=f"{i}:{params.request_id}",
+                core_req_id=f"{i}:{core_id}",
                 detokenizer=IncrementalDetokenizer(tokenizer, params.prompt_token_ids, params.skip_special_tokens),
                 stop=StopStringMatcher(list(params.stop), params.include_stop_str_in_output),
             )
             for i in range(params.n)
         ]
-        return cls(params=params, samples=samples)
+        return cls(params=params, samples=samples, tenant=tenant, core_id=core_id)
 
     @property
     def request_id(self) -> str:
         return self.params.request_id
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.params.request_id)
 
     def on_token(self, sample: SampleStream, sampled: SampledToken, finish_reason: int | None) -> str | None:
         """Emit one token of `sample`. Returns the stop string it completed, if any.

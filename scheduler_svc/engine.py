@@ -1,6 +1,6 @@
 """The scheduler service's engine: one waiting queue, executors bound late, a step loop each.
 
-    Generate ─submit─▶ owners (samples | beam search) ─▶ WaitingQueue (priority, arrival)
+    Generate ─submit─▶ owners (samples | beam search) ─▶ WaitingQueue (fair across tenants)
                                                              │ _dispatch: bind to an executor
                                                              ▼ that can admit now (ExecutorPool.choose)
         per executor: schedule() ─▶ StepPlan ─ZeroMQ─▶ executor ─▶ StepResult ─▶ update_from_output
@@ -14,6 +14,13 @@ or that an executor lost (`ExecutorPool.on_lost`), comes back to the queue with 
 tokens so far and resumes wherever there is room first, prefix-aware. So an executor
 that joins under load takes queued work in its first steps.
 
+Tenants. A client request is known by (tenant, request_id): the tenant of the caller's API
+key (`scheduler_svc.auth.current_tenant()`; "" when keys are off) and its id. So a tenant
+cannot collide with, see (ALREADY_EXISTS) or abort another tenant's requests, and its core
+requests are named `<i>:<request_id>-<serial>`, unique whoever sent them. Each tenant has
+at most `max_requests_per_tenant` requests running or waiting (RESOURCE_EXHAUSTED past
+it, checked before any work); tenant "" (no keys) is not limited but by the queue bound.
+
 Each executor's step loop is three calls, as vLLM's `EngineCore.step`: schedule, execute,
 update. With async scheduling (the default) step N+1 is planned and sent while step N
 runs, so the executor never waits for the scheduler between steps; the tokens of step N
@@ -23,12 +30,11 @@ are placeholders in step N+1's plan (see `scheduler_svc.core.scheduler`).
 from __future__ import annotations
 
 import asyncio
-import bisect
+import dataclasses
 import itertools
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections import Counter, deque
 from typing import Callable
 
 from transformers import PreTrainedTokenizerBase
@@ -37,6 +43,7 @@ from pagoda import __version__
 from pagoda.link_security import LinkKeys
 from pagoda.step import StepPlan, StepResult
 from pagoda.v1 import generation_pb2 as pb
+from scheduler_svc.auth import current_tenant, prefix_cache_salt
 from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.core import AllBlocksCleared, FinishReason, KVCacheEvent, Request, SchedulerStats, fit_error
 from scheduler_svc.errors import AlreadyExists, Internal, InvalidArgument, ResourceExhausted, Unavailable
@@ -50,43 +57,14 @@ from scheduler_svc.executor_pool import (  # noqa: F401  (re-exported: the engin
 from scheduler_svc.metrics import ExecutorSnapshot, EngineSnapshot, Metrics
 from scheduler_svc.owners import BeamOwner, Owners, SampleOwner, initial_requests, owners_for
 from scheduler_svc.validation import GenerateParams
+from scheduler_svc.waiting_queue import WaitingQueue
 
 log = logging.getLogger(__name__)
 
+RequestKey = tuple[str, str]  # (tenant, request_id): who may see, collide with or abort a request
+
 # A request in a step in flight on this many failed executors is ended, not restarted (#16).
 MAX_EXECUTOR_LOSSES = 2
-
-
-@dataclass(eq=False)
-class _Queued:
-    requests: list[Request]  # one group: bound to one executor together
-    seq: int
-    stuck_since: float | None = None  # since when no executor could ever hold it
-
-    @property
-    def key(self) -> tuple[int, float, int]:
-        first = self.requests[0]
-        return (first.priority, first.arrival_time, self.seq)
-
-
-@dataclass
-class WaitingQueue:
-    """Requests bound to no executor yet, by (priority, arrival): lower priority value first."""
-
-    entries: list[_Queued] = field(default_factory=list)
-    _seq: itertools.count = field(default_factory=itertools.count)
-
-    def push(self, requests: list[Request]) -> None:
-        bisect.insort(self.entries, _Queued(requests, next(self._seq)), key=lambda e: e.key)
-
-    def remove(self, req_ids: set[str]) -> None:
-        for entry in self.entries:
-            entry.requests = [r for r in entry.requests if r.req_id not in req_ids]
-        self.entries = [e for e in self.entries if e.requests]
-
-    @property
-    def num_requests(self) -> int:
-        return sum(len(e.requests) for e in self.entries)
 
 
 class Engine:
@@ -98,13 +76,15 @@ class Engine:
         self.metrics = Metrics(self.snapshot)
         self.pool = ExecutorPool(config, bind, self.metrics, self._on_joined, self._on_lost, link_keys)
         self.queue = WaitingQueue()
-        self.requests: dict[str, list[SampleOwner] | list[BeamOwner]] = {}  # client request id -> owners
+        self.requests: dict[RequestKey, list[SampleOwner] | list[BeamOwner]] = {}  # (tenant, request_id) -> owners
         self.owners = Owners()  # core request id -> owner
         self.on_health_change: Callable[[bool], None] = lambda serving: None
         # (executor id, its prefix cache's events), after each step: the KV-event stream's source
         self.on_kv_events: Callable[[str, list[KVCacheEvent]], None] = lambda executor_id, events: None
         self._tasks: list[asyncio.Task] = []
-        self._strikes: dict[str, int] = {}  # client request id -> failed executors it was in a step of
+        self._strikes: dict[RequestKey, int] = {}  # client request -> failed executors it was in a step of
+        self._num_requests_of: Counter[str] = Counter()  # tenant -> its requests in self.requests
+        self._serial = itertools.count()
         self.draining = False  # set on SIGTERM: streams in flight finish, new requests are refused
 
     # ---- life cycle -------------------------------------------------------------------
@@ -126,35 +106,61 @@ class Engine:
         return bool(self.pool.alive)
 
     # ---- requests -----------------------------------------------------------------------
-    def submit(self, params: GenerateParams) -> ClientStream:
-        """Admit a validated request or raise; its stream is `stream.responses()`."""
-        if self.draining:
-            raise Unavailable("the server is shutting down; retry on another replica")
-        if params.request_id in self.requests:
+    def submit(self, params: GenerateParams, tenant: str | None = None) -> ClientStream:
+        """Admit a validated request of `tenant` or raise; its stream is `stream.responses()`.
+
+        `tenant` defaults to the caller's (`current_tenant()`, set by the API-key interceptor).
+        The tenant also salts the request's prefix-cache hashes, so tenants never share blocks.
+        """
+        tenant = current_tenant() if tenant is None else tenant
+        self.check_admission(tenant)
+        key = (tenant, params.request_id)
+        if key in self.requests:
             raise AlreadyExists(f"request_id: {params.request_id!r} is already in flight")
-        if self.num_waiting() >= self.config.max_waiting_requests:
-            raise ResourceExhausted(
-                f"the waiting queue is full ({self.config.max_waiting_requests} requests); retry later"
-            )
         if params.beam_width > 1 and self.config.speculative is not None:
             raise InvalidArgument(
                 "sampling.beam_width",
                 "beam search does not run with speculative decoding; this server drafts tokens (--num-speculative-tokens)",
             )
         max_tokens = self._max_tokens(params)
-        stream = ClientStream.create(params, self.tokenizer)
+        params = dataclasses.replace(params, cache_salt=prefix_cache_salt(tenant, params.cache_salt))
+        stream = ClientStream.create(params, self.tokenizer, tenant=tenant, core_id=f"{params.request_id}-{next(self._serial)}")
         owners = owners_for(stream, max_tokens, self.metrics, vocab_size=len(self.tokenizer))
-        self.requests[params.request_id] = owners
+        self.requests[key] = owners
+        self._num_requests_of[tenant] += 1
         group = initial_requests(owners)
         for owner, request in zip(owners, group, strict=True):
             self.owners.claim([request.req_id], owner)
-        self.queue.push(group)
+        self.queue.push(group, tenant)
         self._dispatch()
         return stream
 
-    def abort(self, request_id: str, reason: int = pb.FINISH_REASON_ABORTED) -> None:
-        """Idempotent: unknown or finished ids are ignored. Frees the blocks at once."""
-        owners = self.requests.get(request_id)
+    def check_admission(self, tenant: str | None = None) -> None:
+        """Raise unless a new request of `tenant` (default: the caller's) may be admitted now.
+
+        Cheap: servicers call it before any work (tokenizing), and `submit` again.
+        """
+        tenant = current_tenant() if tenant is None else tenant
+        if self.draining:
+            raise Unavailable("the server is shutting down; retry on another replica")
+        limit = self.config.max_requests_per_tenant
+        if tenant and limit and self._num_requests_of[tenant] >= limit:
+            raise ResourceExhausted(
+                f"this API key's tenant has {limit} requests running or waiting, its share "
+                f"(--max-requests-per-tenant {limit}); retry when one has finished"
+            )
+        if self.num_waiting() >= self.config.max_waiting_requests:
+            raise ResourceExhausted(
+                f"the waiting queue is full ({self.config.max_waiting_requests} requests); retry later"
+            )
+
+    def abort(self, request_id: str, reason: int = pb.FINISH_REASON_ABORTED, *, tenant: str | None = None) -> None:
+        """Idempotent: unknown or finished ids are ignored. Frees the blocks at once.
+
+        Only `tenant`'s request of that id (default: the caller's tenant) is aborted.
+        """
+        tenant = current_tenant() if tenant is None else tenant
+        owners = self.requests.get((tenant, request_id))
         if owners is None:
             return
         for owner in owners:
@@ -233,16 +239,20 @@ class Engine:
         if stream.finish_if_done():
             reasons = [s.finish_reason for s in stream.samples]
             log.info(
-                "request %s finished: %s tokens, reasons %s",
+                "request %r finished: %s tokens, reasons %s",
                 stream.request_id, [s.num_tokens for s in stream.samples], [pb.FinishReason.Name(r) for r in reasons],
             )
             self.metrics.observe_finish(stream.arrival, len(stream.params.prompt_token_ids), reasons)
-        if stream.done:
-            self.requests.pop(stream.request_id, None)
-            self._strikes.pop(stream.request_id, None)
+        owners = self.requests.get(stream.key)
+        if stream.done and owners and owners[0].stream is stream:  # (not a newer request of the same key)
+            del self.requests[stream.key]
+            self._num_requests_of[stream.tenant] -= 1
+            if not self._num_requests_of[stream.tenant]:
+                del self._num_requests_of[stream.tenant]
+            self._strikes.pop(stream.key, None)
 
     def _fail(self, stream: ClientStream, error: Exception) -> None:
-        for owner in self.requests.get(stream.request_id, ()):
+        for owner in self.requests.get(stream.key, ()):
             self._drop_core_requests(owner.live_req_ids)
             self.owners.release(owner.live_req_ids)
         stream.fail(error)
@@ -256,13 +266,13 @@ class Engine:
         monitor) without holding up the rest; the first that merely has to wait for room
         stops the binding: no overtaking.
         """
-        for entry in list(self.queue.entries):
+        for entry in self.queue.in_order():
             if not self.pool.can_ever_fit(entry.requests[0].num_tokens + 1):
                 continue
             handle = self.pool.choose(entry.requests)
             if handle is None:
                 return
-            self.queue.entries.remove(entry)
+            self.queue.take(entry)
             handle.scheduler.add_requests(entry.requests)
             handle.wakeup.set()
 
@@ -291,20 +301,20 @@ class Engine:
             if owner is not None:
                 group = owner.on_executor_lost(request, self.owners)
                 if group:
-                    self.queue.push(group)
+                    self.queue.push(group, owner.stream.tenant)
         if not self.serving:
             self.on_health_change(False)
         self._dispatch()
 
     def _strike(self, stream: ClientStream) -> bool:
         """Count one failed executor against `stream`; True if that ended it."""
-        strikes = self._strikes[stream.request_id] = self._strikes.get(stream.request_id, 0) + 1
+        strikes = self._strikes[stream.key] = self._strikes.get(stream.key, 0) + 1
         if strikes < MAX_EXECUTOR_LOSSES:
             return False
-        log.error("request %s was in the steps of %d failed executors: ending it", stream.request_id, strikes)
+        log.error("request %r was in the steps of %d failed executors: ending it", stream.request_id, strikes)
         self.metrics.request_errors.labels("poison_pill").inc()
         self._fail(stream, Internal(
-            f"request {stream.request_id} brought down {strikes} executors (their steps with it failed or never "
+            f"request {stream.request_id!r} brought down {strikes} executors (their steps with it failed or never "
             f"returned); it is not retried"
         ))
         return True
@@ -316,10 +326,10 @@ class Engine:
             owner = self.owners.get(error.req_id)
             if owner is None or owner.stream.done:
                 continue
-            log.error("request %s failed on executor %s: %s", owner.stream.request_id, handle.executor_id, error.message)
+            log.error("request %r failed on executor %s: %r", owner.stream.request_id, handle.executor_id, error.message)
             self.metrics.request_errors.labels("executor_error").inc()
             self._fail(owner.stream, Internal(
-                f"request {owner.stream.request_id} failed on executor {handle.executor_id}: {error.message}"
+                f"request {owner.stream.request_id!r} failed on executor {handle.executor_id}: {error.message}"
             ))
 
     # ---- step loop ----------------------------------------------------------------------
@@ -378,7 +388,8 @@ class Engine:
         self.metrics.observe_spec_decode(scheduler.take_spec_decode_stats())
         self._publish_kv_events(handle)
         for request in scheduler.take_movable():
-            self.queue.push([request])
+            owner = self.owners.get(request.req_id)
+            self.queue.push([request], owner.stream.tenant if owner is not None else "")
         self._dispatch()
 
     def _step_loop_ended(self, handle: ExecutorHandle, task: asyncio.Task) -> None:
@@ -412,7 +423,7 @@ class Engine:
                 self._fail(
                     owner.stream,
                     Unavailable(
-                        f"no executor could serve request {owner.stream.request_id} "
+                        f"no executor could serve request {owner.stream.request_id!r} "
                         f"within {self.config.no_executor_wait_s:g} s"
                     ),
                 )

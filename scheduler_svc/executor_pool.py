@@ -26,7 +26,7 @@ from pagoda.v1 import executor_pb2 as xpb
 from scheduler_svc.core import Request, Scheduler, SchedulerConfig, SpeculativeConfig
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.result_check import sampled_values_problem
+from scheduler_svc.result_check import max_executor_message_bytes, result_shape_problem, sampled_values_problem
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class EngineConfig:
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
+    max_requests_per_tenant: int = 0  # running + waiting requests of one API-key tenant; 0 = no limit
     executor_timeout_s: float = 2.0
     no_executor_wait_s: float = 30.0
     async_scheduling: bool = True  # plan step N+1 while step N runs
@@ -65,6 +66,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_requests_per_tenant < 0:
+            raise ValueError(f"max_requests_per_tenant must not be negative, got {self.max_requests_per_tenant}")
         if self.executor_timeout_s <= 0 or self.no_executor_wait_s < 0 or self.step_timeout_s <= 0:
             raise ValueError("executor_timeout_s and step_timeout_s must be positive and no_executor_wait_s not negative")
 
@@ -109,12 +112,17 @@ class ExecutorPool:
         link_keys: LinkKeys | None = None,
     ) -> None:
         self.config = config
-        self.link = ExecutorLink(bind, self, keys=link_keys, registry=metrics.registry)
+        self.link = ExecutorLink(
+            bind, self, keys=link_keys, registry=metrics.registry,
+            max_message_bytes=max_executor_message_bytes(config.max_num_batched_tokens or DEFAULT_GPU_STEP_BUDGET),
+        )
         self.metrics = metrics
         self.executors: dict[str, ExecutorHandle] = {}
         self.num_preemptions_retired = 0  # preemptions counted by executors that are gone
         self._on_joined, self._on_lost = on_joined, on_lost
         self._shut_down: set[str] = set()  # judged hung and told to shut down: their heartbeats get no config
+        # a request's tokens in one step: its own, plus the drafts it verifies
+        self._max_tokens_per_request = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
 
     @property
     def alive(self) -> list[ExecutorHandle]:
@@ -178,7 +186,11 @@ class ExecutorPool:
             log.error("executor %s failed step %d: %s", executor_id, msg.step_id, msg.error)
             self.kill(handle, f"step failed: {msg.error}")  # this step's requests are among the suspects
             return
-        handle.scheduled.pop(msg.step_id, None)
+        scheduled = handle.scheduled.pop(msg.step_id, frozenset())
+        problem = result_shape_problem(msg, scheduled, self._max_tokens_per_request, handle.scheduler.requested_top_logprobs)
+        if problem:
+            self.reject(handle, problem)
+            return
         result: StepResult = wire.result_from_proto(msg)
         problem = sampled_values_problem(result, self.config.vocab_size) if self.config.vocab_size else ""
         if problem:

@@ -18,7 +18,12 @@ With `LinkKeys` (a cluster secret) the socket is a CURVE server and a ZAP handle
 only the client key derived from the same secret: a peer without it cannot complete the
 handshake, so it is never handed a message, and its attempt is counted in
 `pagoda:executor_link_rejected_connections_total`. Without keys the link is plaintext
-(the caller allows that only on loopback: `pagoda.link_security.check_link_policy`).
+(only with --insecure-executor-link: `pagoda.link_security.scheduler_link_keys`).
+
+No message may be larger than `max_message_bytes` (ZMQ_MAXMSGSIZE, the largest an honest
+executor sends: `scheduler_svc.result_check.max_executor_message_bytes`): ZeroMQ drops the
+connection of a peer that sends more before the message is ever held in memory. The
+executor then has to register again, as after any lost connection.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class ExecutorLink:
         listener: LinkListener,
         keys: LinkKeys | None = None,
         registry: CollectorRegistry | None = None,
+        max_message_bytes: int = -1,
     ):
         self._ctx = zmq.asyncio.Context()
         self._listener = listener
@@ -97,6 +103,7 @@ class ExecutorLink:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if keys is not None:
             # The ZAP handler must be up before the socket binds: libzmq lets a CURVE client in
             # unchecked when no handler answers on inproc://zeromq.zap.01.

@@ -126,7 +126,7 @@ class BeamOwner:
     def create(cls, stream: ClientStream, max_tokens: int, metrics: Metrics, vocab_size: int = 0) -> BeamOwner:
         params, sampling = stream.params, stream.params.sampling
         search = BeamSearch(
-            request_id=params.request_id,
+            request_id=stream.core_id or params.request_id,
             prompt_token_ids=list(params.prompt_token_ids),
             params=BeamSearchParams(
                 beam_width=params.beam_width,

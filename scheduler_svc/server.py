@@ -2,12 +2,20 @@
 grpc.health.v1 and server reflection over the Engine.
 
 API keys and TLS (scheduler_svc/auth.py) wrap the server; health and reflection need no key.
+Requests are parsed inside their handlers (scheduler_svc/request_decoding.py), after the key
+check: a message that does not parse is INVALID_ARGUMENT. A request is its caller's tenant's
+(the engine keys it by (tenant, request_id)); `Generate` checks the tenant's share and the
+queue before it tokenizes anything.
+
+GetServerInfo shows every authenticated caller the server's totals (requests running and
+waiting, KV blocks, per executor), never a request id, a tenant or one tenant's load: what
+a router needs to balance load (vLLM's /load and /metrics and SGLang's /get_load show the
+same to any caller), and nothing one tenant can learn about another's requests from it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -17,12 +25,13 @@ from grpc_reflection.v1alpha import reflection
 
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.auth import ApiKey, ApiKeyInterceptor
 from scheduler_svc.client_stream import ClientStream
-from scheduler_svc.auth import ApiKey, ApiKeyInterceptor, current_tenant, prefix_cache_salt
 from scheduler_svc.constraint_check import ConstraintChecker
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.prompts import MAX_REPLY_BYTES, PromptWorker
+from scheduler_svc.request_decoding import DecodeRequests
 from scheduler_svc.tokenizer import ModelSpec
 from scheduler_svc.validation import GenerateParams
 from scheduler_svc.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE
@@ -43,16 +52,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.constraints = ConstraintChecker(model_dir or engine.tokenizer.name_or_path)
 
     async def submit(self, request: pb.GenerateRequest) -> tuple[GenerateParams, ClientStream]:
-        """Validate and tokenize `request`, check its constraint compiles, then submit it under the
-        caller's tenant; ServiceError (naming the field) before any work otherwise.
+        """Check the caller's share, validate and tokenize `request`, check its constraint compiles,
+        then submit it under the caller's tenant; ServiceError (naming the field) before any work otherwise.
 
         The one admission path of both APIs (`vllm.grpc.engine` translates its requests to ours first).
         """
+        self.engine.check_admission()  # the tenant's share and the queue, before any work
         params = await self.prompts.generate_params(request)
         if params.sampling.constraint is not None:
             await self.constraints.check(params.sampling.constraint)
-        params = dataclasses.replace(params, cache_salt=prefix_cache_salt(current_tenant(), params.cache_salt))
-        return params, self.engine.submit(params)
+        return params, self.engine.submit(params)  # under the caller's tenant (its cache salt too)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -60,7 +69,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
             return
-        log.info("request %s: %d prompt tokens, n=%d", params.request_id, len(params.prompt_token_ids), params.n)
+        log.info("request %r: %d prompt tokens, n=%d", params.request_id, len(params.prompt_token_ids), params.n)
         try:
             async for response in stream.responses():
                 yield response
@@ -68,8 +77,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(exc.code, exc.message)
         finally:
             if not stream.done:  # the client cancelled or its deadline passed
-                log.info("request %s cancelled by the client", params.request_id)
-                self.engine.abort(params.request_id)
+                log.info("request %r cancelled by the client", params.request_id)
+                self.engine.abort(params.request_id, tenant=stream.tenant)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         for request_id in request.request_ids:
@@ -97,18 +106,32 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 # gRPC's own default receive limit; every request must fit it (--max-request-bytes changes it).
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# Streams one client connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS,
+# --max-concurrent-streams). Well under gRPC's server-wide backlog of calls its handlers have
+# not taken yet (1000; past it gRPC cancels new calls of every connection at random), so one
+# connection's burst never gets another caller's calls cancelled.
+DEFAULT_MAX_CONCURRENT_STREAMS = 256
 
 
-def grpc_options(max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[tuple[str, int]]:
+def grpc_options(
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
+) -> list[tuple[str, int]]:
     """Message size limits, explicit: a larger request is refused by gRPC (RESOURCE_EXHAUSTED).
 
     SO_REUSEPORT is off: with it (gRPC's default on Linux) a second scheduler on the same port
     would start without error and silently share the first one's connections.
+
+    At most `max_concurrent_streams` streams per connection: a client's further calls wait in
+    the client until one ends. gRPC's overload protection is off: it counts a stream until its
+    memory is freed, after the client saw it end, so a client keeping to the limit would get
+    some calls refused (UNAVAILABLE, REFUSED_STREAM). A client that ignores the limit still is.
     """
     return [
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_send_message_length", MAX_REPLY_BYTES),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", max_concurrent_streams),
+        ("grpc.http.overload_protection", 0),
     ]
 
 
@@ -121,10 +144,15 @@ async def build_server(
     credentials: grpc.ServerCredentials | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     model_dir: Path | str | None = None,
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
 ) -> tuple[grpc.aio.Server, int]:
-    """The server on `address`: API keys required when `api_keys`, TLS when `credentials`."""
+    """The server on `address`: API keys required when `api_keys`, TLS when `credentials`.
+
+    The API-key interceptor comes first: a request without a key is refused unparsed.
+    """
+    keys = [ApiKeyInterceptor(list(api_keys))] if api_keys else []
     server = grpc.aio.server(
-        interceptors=[ApiKeyInterceptor(list(api_keys))] if api_keys else None, options=grpc_options(max_request_bytes)
+        interceptors=[*keys, DecodeRequests()], options=grpc_options(max_request_bytes, max_concurrent_streams)
     )
     generation = GenerationServicer(engine, spec, model_name, model_dir)
     pb_grpc.add_GenerationServicer_to_server(generation, server)

@@ -153,7 +153,9 @@ else
   NET_ARGS=(--network "${PROJECT}_default"); LINK=tcp://scheduler:$PAGODA_EXECUTOR_PORT
 fi
 # The model cache (not secret) spares it the GGUF conversion; the cluster-secret volume it does not get.
+# Without a secret an executor would not even try; told --insecure-executor-link, it tries plaintext.
 intruder=$(docker run -d "${NET_ARGS[@]}" -v "${PROJECT}_model-cache:/var/cache/pagoda" -e PAGODA_SCHEDULER="$LINK" \
+  -e PAGODA_INSECURE_EXECUTOR_LINK=1 \
   -e PAGODA_DEVICE=cpu -e PAGODA_NUM_THREADS=1 -e PAGODA_KV_CACHE_MEMORY_GB=0.25 "$PAGODA_IMAGE" python -m executor_svc)
 for _ in $(seq 1 180); do  # its Hello is out once it says it waits; then give the scheduler 10 s to answer
   docker logs "$intruder" 2>&1 | grep -q 'waiting for the scheduler' && break

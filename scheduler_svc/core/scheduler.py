@@ -273,6 +273,13 @@ class Scheduler:
     def get_request(self, req_id: str) -> Request | None:
         return self._requests.get(req_id)
 
+    def requested_top_logprobs(self, step_id: int, req_id: str) -> int | None:
+        """How many top logprobs a token of `req_id` in step `step_id`'s result may carry (None: it gets no token)."""
+        for in_flight in self._in_flight:
+            if in_flight.plan.step_id == step_id:
+                return in_flight.requests[req_id].sampling.top_logprobs if req_id in in_flight.expects_token else None
+        return None
+
     @property
     def running(self) -> tuple[Request, ...]:
         return tuple(self._running)

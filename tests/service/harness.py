@@ -103,6 +103,10 @@ class Service:
             credentials = grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(api_key))
         return grpc.secure_channel(target, credentials)
 
+    def stub_for(self, api_key: str | None) -> pb_grpc.GenerationStub:
+        """A stub on a new connection of its own, sending `api_key` (None: no key), TLS as the service's stub."""
+        return pb_grpc.GenerationStub(self.open_channel(self.channel_credentials, api_key))
+
     def add_executor(self, extra_args=(), module: str = "executor_svc", module_args=()) -> subprocess.Popen:
         """Start an executor; `module` (with `module_args` before the flags) may be a test double of executor_svc."""
         args = [*module_args, "--scheduler", self.zmq, "--device", "cpu", *self.executor_args, *extra_args]

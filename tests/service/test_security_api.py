@@ -1,12 +1,16 @@
-"""The gRPC API's protections (issue #13): API keys, TLS and mutual TLS, tenant isolation of the prefix cache
+"""The gRPC API's protections (issues #13, #24): API keys, TLS and mutual TLS, tenants' isolation
 (for pagoda.v1.Generation and vllm.grpc.engine.VllmEngine alike).
 
 Certificates are made in the test (tests/service/certs.py). The TLS service also requires
-API keys from a key file with tenants, so the same scheduler shows all three at once.
+API keys from a key file with tenants, so the same scheduler shows all three at once. Its
+executor link has no flag, so it also shows the default: CURVE with the per-user secret.
+Issue #24's tests are written as the attacker's requests: another tenant's live request
+id, a keyless flood on one connection, messages that do not parse, forged log lines.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -18,11 +22,14 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from pagoda import link_security
+from pagoda.client.connection import TLSConfig
+from pagoda.v1 import executor_pb2 as xpb
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
-from pagoda.client.connection import TLSConfig
 from tests.service.certs import make_pki
-from tests.service.harness import SERVICE, Service, collect, greedy_request
+from tests.service.harness import SERVICE, Service, collect, greedy_request, hf_greedy, one_torch_thread
+from tests.service.raw_peer import RawPeer
 
 ALICE = "alice-key-0123456789abcdef"
 ALICE_2 = "alice-key-2-0123456789abcdef"
@@ -205,3 +212,141 @@ def test_kv_events_show_a_tenant_only_its_own_blocks(service, pki):
     seen = stored_token_ids(batches)
     assert tuple(alice_prompt[:16]) in seen and tuple(alice_prompt[16:32]) in seen
     assert not any(block == tuple(bob_prompt[i:i + 16]) for block in seen for i in range(0, 64, 16))
+
+
+# ---- issue #24: what one tenant, or a caller without a key, can do to the others -----------------
+
+SHARED_ID = "job-42"
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def alice_reference(hf_reference):
+    model, _ = hf_reference
+    with one_torch_thread():
+        return hf_greedy(model, LONG_PROMPT[:24], MAX_TOKENS, ignore_eos=True)
+
+
+def _start_stream(stub, request_id: str) -> tuple[threading.Thread, dict, threading.Event]:
+    """Alice's greedy stream, collected in a thread; `started` is set at its first response."""
+    result, started = {}, threading.Event()
+    req = greedy_request(prompt_ids=LONG_PROMPT[:24], max_tokens=MAX_TOKENS, request_id=request_id, ignore_eos=True)
+
+    def run():
+        try:
+            messages = []
+            for message in stub.Generate(req, timeout=300):
+                messages.append(message)
+                started.set()
+            result.update(collect(iter(messages)))
+        except grpc.RpcError as exc:
+            result["error"] = exc
+        started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result, started
+
+
+def test_another_tenant_can_neither_detect_nor_abort_a_live_request(service, pki, alice_reference):
+    alice, alice_2, bob, lone = (stub_with(service, pki, k) for k in (ALICE, ALICE_2, BOB, LONE))
+    thread, result, started = _start_stream(alice, SHARED_ID)
+    assert started.wait(120) and "error" not in result
+    # bob, with his own key, sends alice's live id: accepted (he learns nothing), then aborts it
+    bobs = collect(bob.Generate(greedy_request(prompt_ids=[5, 6, 7], max_tokens=2, request_id=SHARED_ID), timeout=120))
+    assert bobs["first"].request_id == SHARED_ID and len(bobs["outputs"][0]["token_ids"]) == 2
+    bob.Abort(pb.AbortRequest(request_ids=[SHARED_ID]), timeout=30)
+    lone.Abort(pb.AbortRequest(request_ids=[SHARED_ID]), timeout=30)
+    with pytest.raises(grpc.RpcError) as err:  # within alice's tenant the id is taken (her other key sees it)
+        collect(alice_2.Generate(greedy_request(prompt_ids=[5], max_tokens=2, request_id=SHARED_ID), timeout=60))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    thread.join(300)
+    out = result["outputs"][0]
+    assert out["finish_reason"] == pb.FINISH_REASON_LENGTH  # not ABORTED
+    assert out["token_ids"] == alice_reference
+
+
+def test_server_info_shows_other_tenants_only_totals(service, pki):
+    alice, bob = stub_with(service, pki, ALICE), stub_with(service, pki, BOB)
+    thread, result, started = _start_stream(alice, "alice-secret-request-id")
+    assert started.wait(120)
+    info = bob.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    thread.join(300)
+    assert info.num_running + info.num_waiting >= 1  # the load a router balances by
+    shown = info.SerializeToString()
+    assert b"alice-secret-request-id" not in shown and b"alice" not in shown
+    assert "error" not in result
+
+
+def test_a_keyless_flood_on_one_connection_is_unauthenticated_and_spares_other_callers(service, pki):
+    """3,000 RPCs without a key on one connection: every one UNAUTHENTICATED (none CANCELLED), and a
+    keyed caller on its own connection is served meanwhile."""
+    flooder = stub_with(service, pki, None)
+    with pytest.raises(grpc.RpcError):
+        flooder.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)  # connected
+    calls = [flooder.GetModelInfo.future(pb.GetModelInfoRequest(), timeout=120) for _ in range(3000)]
+    bob = stub_with(service, pki, BOB)
+    served = [bob.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).vocab_size for _ in range(5)]
+    codes = collections.Counter()
+    for call in calls:
+        try:
+            call.result()
+            codes[grpc.StatusCode.OK] += 1
+        except grpc.RpcError as exc:
+            codes[exc.code()] += 1
+    assert codes == {grpc.StatusCode.UNAUTHENTICATED: 3000}, codes
+    assert all(served)
+    log = (service.logdir / "scheduler.log").read_text()
+    assert log.count("without a valid API key") < 50  # counted, not one line each
+
+
+def _raw_call(svc, pki, key, method: str, payload: bytes, stream: bool):
+    channel = svc.open_channel(channel_credentials(str(pki.ca)), key)
+    call = (channel.unary_stream if stream else channel.unary_unary)(f"/pagoda.v1.Generation/{method}")
+    try:
+        result = call(payload, timeout=30)
+        return list(result) if stream else result
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("payload", [b"\x0a\x03\xff\xfe\xfd", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x04\xc3\x28ab"],
+                         ids=["request_id-not-utf8", "corrupt-wire-format", "prompt-text-not-utf8"])
+@pytest.mark.parametrize("method, stream", [("Generate", True), ("Tokenize", False)])
+def test_a_message_that_does_not_parse_is_invalid_argument(service, pki, payload, method, stream):
+    with pytest.raises(grpc.RpcError) as err:
+        _raw_call(service, pki, BOB, method, payload, stream)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith("request: not a valid message")
+    with pytest.raises(grpc.RpcError) as err:  # without a key it is never parsed
+        _raw_call(service, pki, None, method, payload, stream)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert service.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).vocab_size > 0
+
+
+def test_request_ids_are_logged_escaped(service):
+    forged = "x\n2026-01-01 00:00:00,000 INFO scheduler_svc.engine: FORGED\x00\x1b[2J"
+    out = collect(service.stub.Generate(greedy_request(prompt_ids=[5, 6], max_tokens=1, request_id=forged), timeout=120))
+    assert out["first"].request_id == forged
+    time.sleep(0.5)
+    log = (service.logdir / "scheduler.log").read_text()
+    assert "\x1b" not in log and "\x00" not in log
+    assert not any(line.startswith("2026-01-01") for line in log.splitlines())
+    assert repr(forged) in log
+
+
+def test_the_default_executor_link_is_curve(service):
+    """No link flag at all (this service's scheduler has none): CURVE with the per-user secret."""
+    log = (service.logdir / "scheduler.log").read_text()
+    assert "executors connect to" in log and "(CURVE)" in log and "per-user secret" in log
+    path = link_security.default_secret_path()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert "CURVE" in (service.logdir / "executor0.log").read_text()  # and the executor found it
+    intruder = RawPeer(service.zmq, "intruder")  # plaintext, as any local process could before
+    try:
+        intruder.send(hello=xpb.Hello(executor_id="intruder"))
+        assert intruder.recv_all(3.0) == []
+    finally:
+        intruder.close()
+    assert [e.executor_id for e in service.server_info().executors] != ["intruder"]
+    assert len(service.server_info().executors) == 1

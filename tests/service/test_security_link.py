@@ -209,3 +209,22 @@ def test_registering_a_huge_pool_keeps_the_loop_answering_and_the_bound_holds(se
         time.sleep(0.2)
     assert "too-big" not in executor_ids(service)
     assert_serves_reference(service, reference)
+
+
+def test_a_message_over_the_size_limit_is_never_read(service, reference, keys):
+    """Issue #24: a peer with the secret sends 64 MiB, more than any honest executor message."""
+    dropped_before = metric(service, "pagoda:executor_link_dropped_messages_total")
+    peer = RawPeer(service.zmq, "big-sender", keys=keys)
+    try:
+        peer.send_raw(b"\xff" * (64 * 2**20))  # junk: if it were read, it would be dropped as unparsable
+        assert_serves_reference(service, reference)
+        deadline = time.monotonic() + 30
+        reply = None
+        while reply is None and time.monotonic() < deadline:  # ZeroMQ dropped the connection; it reconnects
+            peer.send(hello=xpb.Hello(executor_id="big-sender"))
+            reply = peer.recv(2.0)
+        assert reply is not None and reply.WhichOneof("kind") == "config"  # small messages are read
+    finally:
+        peer.close()
+    assert metric(service, "pagoda:executor_link_dropped_messages_total") == dropped_before
+    assert "unparsable message from connection 'big-sender'" not in (service.logdir / "scheduler.log").read_text()

@@ -1,4 +1,4 @@
-"""The scheduler checks every step result (issue #13): an executor that lies is dropped.
+"""The scheduler checks every step result (issues #13, #24): an executor that lies is dropped.
 
 A lying executor (tests/service/lying_executor.py: the real model, then corrupted results)
 serves alone until it lies; its requests, with the tokens accepted so far, wait for an
@@ -7,6 +7,7 @@ honest executor and finish there exactly as transformers' greedy continuation.
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,18 +26,20 @@ def reference(hf_reference):
         return {c: hf_greedy(model, chat_ids(tokenizer, c), MAX_TOKENS) for c in CHATS}
 
 
-@pytest.mark.parametrize("lie", ["out_of_range", "unscheduled"])
+@pytest.mark.parametrize("lie", ["out_of_range", "unscheduled", "top_logprobs"])
 def test_an_executor_returning_bad_tokens_is_dropped_and_its_requests_finish_elsewhere(lie, reference):
     scheduler_args = ["--executor-timeout", "2", "--no-executor-wait", "300"]
     with Service(num_executors=0, scheduler_args=scheduler_args, executor_args=["--num-threads", "1"]) as svc:
         liar = svc.add_executor(module="tests.service.lying_executor", module_args=["--lie", lie, "--lie-after", "4"])
         svc.wait_serving(1)
         (liar_info,) = svc.server_info().executors
+        def request(content):
+            req = greedy_request(chat=[("user", content)], max_tokens=MAX_TOKENS)
+            req.response.top_logprobs = 2
+            return req
+
         with ThreadPoolExecutor(len(CHATS)) as pool:
-            calls = {
-                c: pool.submit(lambda c=c: collect(svc.stub.Generate(greedy_request(chat=[("user", c)], max_tokens=MAX_TOKENS), timeout=300)))
-                for c in CHATS
-            }
+            calls = {c: pool.submit(lambda c=c: collect(svc.stub.Generate(request(c), timeout=300))) for c in CHATS}
             deadline = time.monotonic() + 120
             while "invalid step result" not in (svc.logdir / "scheduler.log").read_text():
                 assert time.monotonic() < deadline, svc.logs()
@@ -47,8 +50,13 @@ def test_an_executor_returning_bad_tokens_is_dropped_and_its_requests_finish_els
         for content, result in results.items():
             out = result["outputs"][0]
             assert out["token_ids"] == reference[content], content
+            assert all(len(lp.top) == 2 for lp in out["logprobs"])  # what was asked, from the honest executor
             assert result["last"].usage.completion_tokens == len(reference[content])
         assert liar_info.executor_id not in [e.executor_id for e in svc.server_info().executors]
         log = (svc.logdir / "scheduler.log").read_text()
-        expected = "outside the vocabulary" if lie == "out_of_range" else "token for unscheduled request"
-        assert expected in log, log[-3000:]
+        expected = {  # an extra token is refused on the count, before its request id is looked at
+            "out_of_range": "outside the vocabulary",
+            "unscheduled": r"token for unscheduled request|3 tokens and 0 errors for 2 scheduled requests",
+            "top_logprobs": "200000 top logprobs for '.*', which asked for 2",
+        }[lie]
+        assert re.search(expected, log), log[-3000:]

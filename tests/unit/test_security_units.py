@@ -1,21 +1,30 @@
-"""Pure pieces of issue #13's protections: key derivation, link policy, API keys, result checks, salts, lazy pool."""
+"""Pure pieces of issues #13 and #24: key derivation, the link's default secret, API keys, result checks, salts, lazy pool."""
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 
 import pytest
 import zmq
 
 from pagoda import link_security
-from pagoda.step import SampledToken, StepResult
+from pagoda.v1 import executor_pb2 as xpb
+from pagoda import wire
+from pagoda.step import MAX_ERROR_MESSAGE_CHARS, RequestError, SampledToken, StepResult
 from scheduler_svc.auth import ApiKeyInterceptor, load_api_keys, prefix_cache_salt
 from scheduler_svc.core.block_hash import ROOT_HASH, block_hashes_of, root_hash
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.request import Request
-from scheduler_svc.result_check import sampled_values_problem
+from scheduler_svc.result_check import (
+    MAX_CORE_REQ_ID_BYTES,
+    MAX_TOP_LOGPROBS_PER_TOKEN,
+    max_executor_message_bytes,
+    result_shape_problem,
+    sampled_values_problem,
+)
 
 
 def test_both_sides_derive_the_same_working_keys_and_other_secrets_differ(tmp_path):
@@ -48,14 +57,61 @@ def test_loopback_endpoints(endpoint, loopback):
     assert link_security.is_loopback_endpoint(endpoint) is loopback
 
 
-def test_a_reachable_plaintext_link_needs_the_explicit_override(caplog):
-    keys = link_security.derive_link_keys(b"k" * 64)
-    link_security.check_link_policy("tcp://0.0.0.0:5557", keys, insecure=False)
-    link_security.check_link_policy("tcp://127.0.0.1:5557", None, insecure=False)
-    with pytest.raises(link_security.InsecureLinkError, match="--generate-cluster-secret"):
-        link_security.check_link_policy("tcp://0.0.0.0:5557", None, insecure=False)
-    link_security.check_link_policy("tcp://0.0.0.0:5557", None, insecure=True)
-    assert "INSECURE" in caplog.text
+def test_without_a_secret_file_the_link_uses_a_private_per_user_secret(tmp_path, monkeypatch, caplog):
+    """Issue #24: the default link is CURVE; an executor on the host finds the scheduler's secret."""
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    path = link_security.default_secret_path()
+    assert not path.exists()
+    scheduler = link_security.scheduler_link_keys(None, insecure=False, bind="tcp://127.0.0.1:5557")
+    assert path.exists() and os.stat(path).st_mode & 0o777 == 0o600
+    assert link_security.scheduler_link_keys(None, insecure=False, bind="tcp://0.0.0.0:5557") == scheduler  # made once
+    assert link_security.executor_link_keys(None, insecure=False, endpoint="tcp://127.0.0.1:5557") == scheduler
+    assert link_security.executor_link_keys(None, insecure=False, endpoint="tcp://sched-host:5557") == scheduler
+    os.chmod(path, 0o644)  # readable by others: not a secret any more, and not used
+    with pytest.raises(ValueError, match="not private"):
+        link_security.scheduler_link_keys(None, insecure=False, bind="tcp://127.0.0.1:5557")
+    with pytest.raises(ValueError, match="not private"):
+        link_security.executor_link_keys(None, insecure=False, endpoint="tcp://127.0.0.1:5557")
+    given = link_security.make_cluster_secret(tmp_path / "given")
+    keys = link_security.derive_link_keys(link_security.read_cluster_secret(given))
+    assert link_security.scheduler_link_keys(str(given), insecure=False, bind="tcp://0.0.0.0:1") == keys
+    assert link_security.executor_link_keys(str(given), insecure=False, endpoint="tcp://h:1") == keys
+    caplog.clear()
+    assert link_security.scheduler_link_keys(None, insecure=True, bind="tcp://127.0.0.1:5557") is None
+    assert link_security.executor_link_keys(None, insecure=True, endpoint="tcp://127.0.0.1:5557") is None
+    assert caplog.text.count("INSECURE") == 2 and "--insecure-executor-link" in caplog.text
+
+
+def test_an_executor_waits_for_a_local_schedulers_secret_and_a_remote_one_needs_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="--cluster-secret-file"):  # another host's scheduler: its secret is not here
+        link_security.executor_link_keys(None, insecure=False, endpoint="tcp://10.0.0.3:5557")
+    with pytest.raises(ValueError, match="no scheduler made"):
+        link_security.executor_link_keys(None, insecure=False, endpoint="tcp://127.0.0.1:5557", wait_s=0.2, poll_s=0.05)
+    maker = threading.Timer(0.3, link_security.ensure_default_secret)
+    maker.start()
+    keys = link_security.executor_link_keys(None, insecure=False, endpoint="tcp://127.0.0.1:5557", wait_s=30, poll_s=0.05)
+    maker.join()
+    assert keys == link_security.derive_link_keys(link_security.read_private_secret(link_security.default_secret_path()))
+
+
+def test_racing_secret_makers_agree_on_one_file(tmp_path):
+    paths, errors = [], []
+
+    def make():
+        try:
+            paths.append(link_security.make_cluster_secret(tmp_path / "s"))
+        except FileExistsError:
+            errors.append(1)
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(paths) == 1 and len(errors) == 7
+    assert os.listdir(tmp_path) == ["s"]  # no temporary file left behind
+    assert len(link_security.read_cluster_secret(tmp_path / "s")) == 64
 
 
 def test_api_key_file_and_tenants(tmp_path):
@@ -125,3 +181,64 @@ def test_a_huge_pool_makes_no_block_until_one_is_used():
     small.get_new_blocks(2)
     assert [b.block_id for b in small.free_queue()] == [3, 4, 5]  # fresh blocks stay at the head, in order
     small.check_integrity()
+
+
+def test_a_result_is_counted_before_it_is_converted():
+    """Issue #24: 200,000 top logprobs for a request that asked for 2 are refused on their count."""
+    asked = {"a": 2, "b": 0}
+
+    def requested(step_id, req_id):
+        return asked.get(req_id) if step_id == 7 else None
+
+    def problem(result: StepResult, scheduled=frozenset({"a", "b"}), per_request=1) -> str:
+        return result_shape_problem(wire.result_to_proto(result), scheduled, per_request, requested)
+
+    top = [(i, -1.0) for i in range(2)]
+    assert problem(StepResult(7, [SampledToken("a", 1, -0.1, top), SampledToken("b", 2, -0.1)])) == ""
+    flood = [(i, -1.0) for i in range(200_000)]
+    assert "200000 top logprobs for 'a', which asked for 2" in problem(StepResult(7, [SampledToken("a", 1, -0.1, flood)]))
+    assert "which asked for 0" in problem(StepResult(7, [SampledToken("b", 1, -0.1, top)]))
+    assert "unscheduled request 'c'" in problem(StepResult(7, [SampledToken("c", 1)]))
+    three = [SampledToken("a", 1), SampledToken("a", 2), SampledToken("b", 3)]
+    assert "3 tokens" in problem(StepResult(7, three[:2] + three[1:2]))  # more than one a request
+    assert problem(StepResult(7, three), per_request=2) == ""  # a drafts' step: 1 + 1 draft each
+    assert "errors" in problem(StepResult(7, errors=[RequestError("a", "x")] * 3))
+
+
+def test_the_largest_legal_executor_message_fits_the_link_limit():
+    """ZMQ_MAXMSGSIZE is the size of the largest honest result, every field at its widest."""
+    rows = 3
+    req_id = "\U0010ffff" * (MAX_CORE_REQ_ID_BYTES // 4)
+    top = [(2**32 - 1, -1e-30)] * MAX_TOP_LOGPROBS_PER_TOKEN
+    widest = StepResult(
+        2**64 - 1,
+        [SampledToken(req_id, 2**32 - 1, -3.4e38, top) for _ in range(rows)],
+        [RequestError(req_id, "\U0010ffff" * MAX_ERROR_MESSAGE_CHARS) for _ in range(rows)],
+    )
+    message = wire.result_to_proto(widest)
+    message.error = "\U0010ffff" * MAX_ERROR_MESSAGE_CHARS
+    size = xpb.ExecutorMessage(step_result=message).ByteSize()
+    assert size <= max_executor_message_bytes(rows) < size + 64
+    assert max_executor_message_bytes(2048) < 64 * 2**20  # the 1 GB message of issue #24 is refused
+
+
+def test_a_reachable_grpc_port_without_an_api_key_is_warned_about(tmp_path, monkeypatch, caplog):
+    from scheduler_svc.__main__ import parse_args, security_settings
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    for host, warned in (("127.0.0.1", False), ("localhost", False), ("0.0.0.0", True), ("::", True), ("10.1.2.3", True)):
+        caplog.clear()
+        security_settings(parse_args(["--host", host]))
+        assert ("--api-key" in caplog.text and f"--host {host}" in caplog.text) is warned, (host, caplog.text)
+    caplog.clear()
+    security_settings(parse_args(["--host", "0.0.0.0", "--api-key", "k" * 16]))
+    assert "--api-key" not in caplog.text
+
+
+def test_tenants_share_the_queue_by_default_once_there_are_two():
+    from scheduler_svc.__main__ import requests_per_tenant
+
+    one, two = load_api_keys(["a" * 16], None), load_api_keys(["a" * 16, "b" * 16], None)
+    assert requests_per_tenant(None, [], 1024) == 0 and requests_per_tenant(None, one, 1024) == 0
+    assert requests_per_tenant(None, two, 1024) == 512
+    assert requests_per_tenant(0, two, 1024) == 0 and requests_per_tenant(3, one, 1024) == 3
