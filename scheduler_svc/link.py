@@ -23,7 +23,10 @@ handshake, so it is never handed a message, and its attempt is counted in
 No message may be larger than `max_message_bytes` (ZMQ_MAXMSGSIZE, the largest an honest
 executor sends: `scheduler_svc.result_check.max_executor_message_bytes`): ZeroMQ drops the
 connection of a peer that sends more before the message is ever held in memory. The
-executor then has to register again, as after any lost connection.
+executor then has to register again, as after any lost connection. ZMQ_MAXMSGSIZE bounds a
+frame, not a message: an executor sends one frame a message, so a message of more frames is
+read a frame at a time, thrown away, and its executor banned; and at most
+`RECV_HIGH_WATER_MARK` frames wait per connection (ZeroMQ stops reading the peer's socket).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from pagoda.v1 import executor_pb2 as pb
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SUFFIX = "/hb"
+RECV_HIGH_WATER_MARK = 16
 _HANDSHAKE_FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
@@ -104,6 +108,11 @@ class ExecutorLink:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        # Frames queued per connection before ZeroMQ stops reading from it (TCP pushes back): an
+        # executor has at most a Register or a StepResult or two in flight, its heartbeat
+        # connection one beat. So a peer can make the scheduler hold at most this many frames
+        # of at most max_message_bytes each, however many it sends.
+        self._sock.setsockopt(zmq.RCVHWM, RECV_HIGH_WATER_MARK)
         if keys is not None:
             # The ZAP handler must be up before the socket binds: libzmq lets a CURVE client in
             # unchecked when no handler answers on inproc://zeromq.zap.01.
@@ -120,10 +129,29 @@ class ExecutorLink:
         monitor = asyncio.ensure_future(self._watch_handshakes())
         try:
             while True:
-                frames = await self._sock.recv_multipart()
-                self._dispatch(frames[0].decode(errors="replace"), frames[-1])
+                conn, payload, extra = await self._recv_bounded()
+                if extra:
+                    self._drop(conn, "extra_frames", f"a message of {1 + extra} frames (executors send one)")
+                    self.ban(conn.removesuffix(HEARTBEAT_SUFFIX))
+                    continue
+                self._dispatch(conn, payload)
         finally:
             monitor.cancel()
+
+    async def _recv_bounded(self) -> tuple[str, bytes, int]:
+        """(connection, payload, number of frames past it), holding at most two frames at a time.
+
+        `recv_multipart` would gather every frame of a message first: ZMQ_MAXMSGSIZE bounds each
+        frame, not their number. Frames past the payload are read and thrown away one by one.
+        """
+        conn = (await self._sock.recv()).decode(errors="replace")
+        payload, extra = b"", 0
+        if self._sock.rcvmore:
+            payload = await self._sock.recv()
+        while self._sock.rcvmore:
+            await self._sock.recv()
+            extra += 1
+        return conn, payload, extra
 
     def _dispatch(self, conn: str, payload: bytes) -> None:
         msg = pb.ExecutorMessage()

@@ -228,3 +228,20 @@ def test_a_message_over_the_size_limit_is_never_read(service, reference, keys):
         peer.close()
     assert metric(service, "pagoda:executor_link_dropped_messages_total") == dropped_before
     assert "unparsable message from connection 'big-sender'" not in (service.logdir / "scheduler.log").read_text()
+
+
+def test_a_message_of_many_frames_is_thrown_away_and_its_sender_banned(service, reference, keys):
+    """ZMQ_MAXMSGSIZE bounds a frame: 40 frames of 1 MiB each, each under the limit, are one message no
+    honest executor sends (they send one frame). It is read a frame at a time, never gathered."""
+    dropped_before = metric(service, "pagoda:executor_link_dropped_messages_total")
+    peer = RawPeer(service.zmq, "many-frames", keys=keys)
+    try:
+        hello = xpb.ExecutorMessage(hello=xpb.Hello(executor_id="many-frames")).SerializeToString()
+        peer.sock.send_multipart([hello] + [b"\x00" * 2**20] * 40)
+        assert_serves_reference(service, reference)
+        peer.send(hello=xpb.Hello(executor_id="many-frames"))
+        assert peer.recv(2.0) is None  # banned: not even a config for a fresh Hello
+    finally:
+        peer.close()
+    assert metric(service, "pagoda:executor_link_dropped_messages_total") == dropped_before + 1
+    assert "a message of 41 frames" in (service.logdir / "scheduler.log").read_text()
