@@ -65,21 +65,19 @@ def _constraints(req: _Sampling) -> list[tuple[str, dict]]:
 
 def structured(req: _Sampling) -> Structured:
     """The constraint of `req`; more than one is a 400 naming the second."""
-    given = _constraints(req)
-    if isinstance(req, ChatCompletionRequest):
-        given += _tool_constraint(req)
+    chat = isinstance(req, ChatCompletionRequest)
+    given = _constraints(req) + (_tool_constraint(req) if chat else [])
     if len(given) > 1:
         (first, _), (second, _) = given[:2]
         raise GatewayError(400, f"{second}: cannot be combined with {first} (one constraint per request)", param=second)
-    if isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice != "none":
-        choice = req.tool_choice or "auto"
-        tools = tuple(t.model_dump(exclude_none=True) for t in req.tools)
-        if choice == "auto":
-            return Structured(given[0][1] if given else {}, given[0][0] if given else None, "auto", tools=tools)
-        param, params = given[-1]
-        return Structured(params, param, "required" if choice == "required" else "named",
-                          None if choice == "required" else choice.function.name, tools)
-    return Structured(given[0][1], given[0][0]) if given else Structured()
+    param, params = given[0] if given else (None, {})
+    if not (chat and req.tools and req.tool_choice != "none"):
+        return Structured(params, param)
+    tools = tuple(t.model_dump(exclude_none=True) for t in req.tools)
+    choice = req.tool_choice or "auto"
+    if isinstance(choice, str):  # "auto" (any constraint is response_format's) or "required"
+        return Structured(params, param, choice, tools=tools)
+    return Structured(params, param, "named", choice.function.name, tools)
 
 
 def _tool_constraint(req: ChatCompletionRequest) -> list[tuple[str, dict]]:
@@ -200,6 +198,11 @@ def read_output(s: Structured, text: str, parallel: bool = True) -> tuple[str | 
     return text, []
 
 
+def _tag_start(text: str) -> int:
+    """The length of the longest end of `text` that `<tool_call>` begins with."""
+    return next((k for k in range(min(len(TAG) - 1, len(text)), 0, -1) if TAG.startswith(text[-k:])), 0)
+
+
 class ToolDeltas:
     """One streamed choice's deltas: with a named function the arguments stream as generated
     (its name and id in the first delta); otherwise text streams until a tool call may begin,
@@ -208,22 +211,19 @@ class ToolDeltas:
     def __init__(self, s: Structured, parallel: bool):
         self.s, self.parallel = s, parallel
         self.held = ""
-        self.opened = False
         self.num_calls = 0
 
     def add(self, text: str, finished: bool) -> dict:
         """The delta's fields (`content`, `tool_calls`) for `text`."""
         if self.s.mode == "named":
-            call = {"index": 0, "function": {"arguments": text}}
-            if not self.opened:
-                self.opened, self.num_calls = True, 1
-                first = tool_call(self.s.function, text)
-                call = {"index": 0, "id": first["id"], "type": "function", "function": first["function"]}
-            return {"tool_calls": [call]} if text or call.get("id") else {}
+            if self.num_calls:
+                return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+            self.num_calls = 1
+            return {"tool_calls": [{"index": 0, **tool_call(self.s.function, text)}]}
         self.held += text
         if self.s.mode == "auto" and TAG not in self.held and not finished:
-            cut = next((k for k in range(min(len(TAG), len(self.held)), 0, -1) if TAG.startswith(self.held[-k:])), 0)
-            out, self.held = self.held[: len(self.held) - cut], self.held[len(self.held) - cut :]
+            keep = _tag_start(self.held)
+            out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
             return {"content": out} if out else {}
         if not finished:
             return {}

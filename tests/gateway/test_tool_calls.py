@@ -132,6 +132,9 @@ def test_hermes_tool_calls_are_parsed_and_other_text_kept():
     broken = "<tool_call>\n{not json}\n</tool_call>"
     assert parse_hermes(broken) == (broken, [])
     assert parse_hermes('<tool_call>{"arguments": {}}</tool_call>')[1] == []  # no name
+    auto = structured(chat(tools=[WEATHER_TOOL]))
+    assert [c["function"]["name"] for c in read_output(auto, text)[1]] == ["get_weather", "get_time"]
+    assert [c["function"]["name"] for c in read_output(auto, text, parallel=False)[1]] == ["get_weather"]
 
 
 @pytest.mark.parametrize("mode,text", [
