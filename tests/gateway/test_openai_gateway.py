@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 
 import httpx2 as httpx
@@ -20,7 +22,7 @@ from pagoda.client import Client
 from tests.client.keyed_server import KEY, insecure_keyed_server
 from tests.client.services import EXECUTOR_ARGS, target
 from tests.gateway.gateway import Gateway
-from tests.service.harness import Service
+from tests.service.harness import ROOT, Service
 from tests.structured_reference import CHOICES, DATE_REGEX, LABEL_SCHEMA, WEATHER_TOOL
 
 pytestmark = pytest.mark.timeout(600)
@@ -325,3 +327,15 @@ def test_bad_schemas_and_formats_are_a_400_naming_the_openai_field(oai, model_na
                                extra_body={"response_format": {"type": "json_schema",
                                                                "json_schema": {"name": "x", "schema": bad}}})
     assert err.value.body["param"] == "response_format", err.value.body
+
+
+def test_the_readme_structured_output_example_runs_as_written(gateway, model_name):
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("Structured output and a tool call, with the `openai` package:\n\n```python\n", 1)[1]
+    example = example.split("```", 1)[0].replace("http://127.0.0.1:8000", gateway.url)
+    done = subprocess.run([sys.executable, "-c", example.replace("SmolLM2-135M-Instruct", model_name)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    *arguments, answer = done.stdout.splitlines()  # the arguments' JSON may span lines
+    assert json.loads("\n".join(arguments))["city"], done.stdout
+    assert answer in ("cat", "dog"), done.stdout
