@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass, field
 
 from gateway_svc.errors import GatewayError
-from gateway_svc.tools import with_tool_calls, with_tools
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from gateway_svc.tools import with_tool_calls, with_tools
 from pagoda.client import Chunk, FinishReason, GenerateParams, TokenLogprob, Usage
 
 _UINT64 = (1 << 64) - 1
@@ -84,8 +84,8 @@ def chat_params(req: ChatCompletionRequest, constraint: dict) -> GenerateParams:
 
 
 def chat_messages(req: ChatCompletionRequest, tools: tuple[dict, ...] = ()) -> list[dict[str, str]]:
-    """Messages with text content (content parts of type "text" are joined); tools, an
-    assistant's `tool_calls` and a tool's answers in the Hermes form (`gateway_svc/tools.py`)."""
+    """Messages with text content (content parts of type "text" are joined); the tools and an
+    assistant's `tool_calls` written in the Hermes form (`gateway_svc/tools.py`)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
