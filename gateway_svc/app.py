@@ -26,6 +26,7 @@ from gateway_svc.admission import Admission, KeyVerdicts, bearer_key
 from gateway_svc.errors import GatewayError, invalid_json, validation_error
 from gateway_svc.metrics import GatewayMetrics
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest
+from gateway_svc.tools import ToolDeltas, read_output, structured
 from gateway_svc.translate import (
     FINISH,
     Choice,
@@ -165,7 +166,8 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
 
     @app.exception_handler(PagodaError)
     async def _pagoda_error(request, exc: PagodaError):
-        return GatewayError.from_pagoda(exc, chat=_is_chat(request)).response()
+        constraint = getattr(request.state, "constraint_param", None)
+        return GatewayError.from_pagoda(exc, chat=_is_chat(request), constraint=constraint).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -191,7 +193,9 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
         body = await _parse(request, CompletionRequest)
         key = _bearer(request)
         name = await model.check(body.model, key)
-        params = completion_params(body)
+        output = structured(body)
+        request.state.constraint_param = output.param
+        params = completion_params(body, output.params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [client.generate(p, params, request_id=f"{rid}-{i}", api_key=key)
                    for i, p in enumerate(completion_prompts(body))]
@@ -231,23 +235,30 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
         body = await _parse(request, ChatCompletionRequest)
         key = _bearer(request)
         name = await model.check(body.model, key)
-        params = chat_params(body)
+        output = structured(body)
+        request.state.constraint_param = output.param
+        params = chat_params(body, output.params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = client.chat(chat_messages(body), params, request_id=rid, api_key=key)
+        stream = client.chat(chat_messages(body, output.tools), params, request_id=rid, api_key=key)
         log.info("%s: %d message(s), n=%d, user=%s", rid, len(body.messages), body.n, _user(body))
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": name}
 
         if body.stream:
             chunk_head = {**head, "object": "chat.completion.chunk"}
             opened: set[int] = set()
+            tool_deltas: dict[int, ToolDeltas] = {}
 
             def event(_: int, chunk: Chunk) -> dict:
+                finish = FINISH.get(chunk.finish_reason)
                 delta = {"content": chunk.text} if chunk.text else {}
+                if output.mode:
+                    calls = tool_deltas.setdefault(chunk.index, ToolDeltas(output, body.parallel_tool_calls))
+                    delta = calls.add(chunk.text, finish is not None)
+                    finish = "tool_calls" if finish == "stop" and calls.num_calls else finish
                 if chunk.index not in opened:
                     opened.add(chunk.index)
-                    delta = {"role": "assistant", **delta, "content": chunk.text}
-                choice = {"index": chunk.index, "delta": delta, "logprobs": None,
-                          "finish_reason": FINISH.get(chunk.finish_reason)}
+                    delta = {"role": "assistant", "content": None if output.mode else chunk.text, **delta}
+                choice = {"index": chunk.index, "delta": delta, "logprobs": None, "finish_reason": finish}
                 if body.logprobs:
                     choice["logprobs"] = chat_logprobs(token_entries(chunk))
                 return {**chunk_head, "choices": [choice]}
@@ -258,15 +269,21 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
             choices: dict[int, Choice] = {}
             async for chunk in stream:
                 choices.setdefault(chunk.index, Choice(chunk.index)).add(chunk, body.logprobs)
-            out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c.entries) if body.logprobs else None,
-                    "finish_reason": c.finish_reason}
+            out = [_chat_choice(c, *read_output(output, c.text, body.parallel_tool_calls), body.logprobs)
                    for c in (choices[k] for k in sorted(choices))]
             return {**head, "choices": out, "usage": usage_json([stream.usage])}
 
         return await _until_disconnected(request, collect())
 
     return app
+
+
+def _chat_choice(c: Choice, content: str | None, tool_calls: list[dict], logprobs: bool) -> dict:
+    message = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": c.index, "message": message, "logprobs": chat_logprobs(c.entries) if logprobs else None,
+            "finish_reason": "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason}
 
 
 async def _event_stream(streams: list[AsyncStream], event, head: dict, include_usage: bool, chat: bool) -> Response:

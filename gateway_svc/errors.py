@@ -2,7 +2,9 @@
 HTTP status OpenAI's clients expect (their typed exceptions are chosen by it).
 
 `param` is always OpenAI's name of the field: a check of the scheduler names the gRPC field
-(`sampling.logit_bias[7]: ...`), which is rewritten to the request's own (`logit_bias: ...`).
+(`sampling.logit_bias[7]: ...`), which is rewritten to the request's own (`logit_bias: ...`);
+`constraint.<kind>` is the field the constraint came from (`response_format`,
+`tools[0].function.parameters`, ...), which the route knows.
 """
 
 from __future__ import annotations
@@ -75,13 +77,13 @@ class GatewayError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     @classmethod
-    def from_pagoda(cls, err: PagodaError, chat: bool = False) -> GatewayError:
+    def from_pagoda(cls, err: PagodaError, chat: bool = False, constraint: str | None = None) -> GatewayError:
         status, kind = _BY_STATUS.get(err.code, (500, "internal_error"))
         message, param = err.details, None
         # The scheduler names the field first: "sampling.top_p: must be in (0, 1], got 1.5".
         field, sep, rest = err.details.partition(": ")
         if sep and " " not in field:
-            param = openai_field(field, chat)
+            param = constraint if constraint and field.startswith("constraint") else openai_field(field, chat)
             if param:
                 message = f"{param}: {rest}"
         return cls(status, message, kind, param, err.code.name.lower())

@@ -11,12 +11,15 @@ its field before any gRPC call (nothing reaches the scheduler that its protobuf 
   tests/gateway/test_gateway_limits.py keeps them equal).
 
 Beside OpenAI's fields, vLLM's common extras are accepted: `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`.
+`repetition_penalty`, `min_tokens`, `ignore_eos`, and its `structured_outputs` (`json`, `regex`,
+`choice`, `grammar`; also as the older `guided_json`, ...) beside OpenAI's `response_format`;
+chat takes `tools` (at most `MAX_TOOLS` functions), `tool_choice` and `parallel_tool_calls`
+(`gateway_svc/tools.py`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -31,11 +34,12 @@ MAX_MESSAGES = 2048
 # Prompts of one /v1/completions body: each is its own gRPC stream (times n samples inside it).
 MAX_PROMPTS = 64
 
-# OpenAI fields accepted but not implemented yet: a request that sets one (to anything but null,
-# empty or "none") gets 400 naming it. Structured output is to move `response_format`, `tools` and
-# `tool_choice` out of here (and into the models below).
-NOT_SUPPORTED_YET = ("response_format", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
-NOT_SUPPORTED_YET_IN_MESSAGES = ("tool_calls", "tool_call_id")
+MAX_TOOLS = 128  # functions of one request (OpenAI's limit)
+MAX_CHOICES = 1024  # structured_outputs.choice
+
+# OpenAI fields accepted but not implemented: a request that sets one (to anything but null,
+# empty or "none") gets 400 naming it. The legacy `functions` are `tools` now.
+NOT_SUPPORTED_YET = ("functions", "function_call")
 _UNSET = (None, [], {}, "none")
 
 
@@ -89,6 +93,33 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: Text = Field("response", max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given with type "json_schema", and only then')
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: at most one of its fields."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: Text | None = None
+
+
 class _Sampling(_Strict):
     _not_yet = NOT_SUPPORTED_YET
 
@@ -109,6 +140,13 @@ class _Sampling(_Strict):
     repetition_penalty: Float | None = None
     min_tokens: Count | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names of structured_outputs' fields
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: Text | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -134,12 +172,44 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
-class ChatMessage(_Strict):
-    _not_yet = NOT_SUPPORTED_YET_IN_MESSAGES
+class Function(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionName(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ChatMessage(_Strict):
     role: Text
     content: Text | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Text | None = None  # accepted; chat templates do not use it
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's
+    tool_call_id: Text | None = None  # a "tool" message's answer to that call
 
 
 class ChatCompletionRequest(_Sampling):
@@ -148,9 +218,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-
-    def unsupported(self) -> str | None:
-        for i, m in enumerate(self.messages):
-            if field := m.unsupported():
-                return f"messages.{i}.{field}"
-        return super().unsupported()
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True

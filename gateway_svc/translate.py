@@ -9,10 +9,12 @@ form), which a client can map back to its tokenizer.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from gateway_svc.errors import GatewayError
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from gateway_svc.tools import with_tool_calls, with_tools
 from pagoda.client import Chunk, FinishReason, GenerateParams, TokenLogprob, Usage
 
 _UINT64 = (1 << 64) - 1
@@ -26,7 +28,8 @@ FINISH = {
 }
 
 
-def _common(req: _Sampling, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> GenerateParams:
+def _common(req: _Sampling, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+            constraint: dict) -> GenerateParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}  # keys checked by the schema
     return GenerateParams(
@@ -46,10 +49,11 @@ def _common(req: _Sampling, max_tokens: int | None, logprobs: bool, top_logprobs
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        **constraint,
     )
 
 
-def completion_params(req: CompletionRequest) -> GenerateParams:
+def completion_params(req: CompletionRequest, constraint: dict) -> GenerateParams:
     if req.echo:
         raise GatewayError(400, "echo: not supported", param="echo")
     if req.suffix:
@@ -57,7 +61,7 @@ def completion_params(req: CompletionRequest) -> GenerateParams:
     if req.best_of not in (None, req.n):
         raise GatewayError(400, "best_of: only best_of = n is supported", param="best_of")
     logprobs = req.logprobs is not None
-    return _common(req, req.max_tokens, logprobs, req.logprobs or 0)
+    return _common(req, req.max_tokens, logprobs, req.logprobs or 0, constraint)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -72,15 +76,16 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
-def chat_params(req: ChatCompletionRequest) -> GenerateParams:
+def chat_params(req: ChatCompletionRequest, constraint: dict) -> GenerateParams:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs and not req.logprobs:
         raise GatewayError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-    return _common(req, max_tokens, req.logprobs, req.top_logprobs or 0)
+    return _common(req, max_tokens, req.logprobs, req.top_logprobs or 0, constraint)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages with text content; content parts of type "text" are joined."""
+def chat_messages(req: ChatCompletionRequest, tools: tuple[dict, ...] = ()) -> list[dict[str, str]]:
+    """Messages with text content (content parts of type "text" are joined); the tools and an
+    assistant's `tool_calls` written in the Hermes form (`gateway_svc/tools.py`)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -92,8 +97,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
                                        param=f"messages.{i}.content")
                 parts.append(part.get("text", ""))
             content = "".join(parts)
-        out.append({"role": m.role, "content": content or ""})
-    return out
+        try:
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or ()]
+        except ValueError:
+            param = f"messages.{i}.tool_calls"
+            raise GatewayError(400, f"{param}: function.arguments must be JSON text", param=param) from None
+        out.append({"role": m.role, "content": with_tool_calls(content or "", calls)})
+    return with_tools(out, tools) if tools else out
 
 
 def usage_json(usages: list[Usage | None]) -> dict:

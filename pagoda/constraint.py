@@ -22,13 +22,13 @@ Mapping OpenAI's request shapes onto a constraint (for the HTTP gateway):
 * `response_format {"type": "json_schema", "json_schema": {"schema": S}}` -> json_schema(S);
   `{"type": "json_object"}` -> json_object(); vLLM's `structured_outputs` `json` / `regex` /
   `choice` / `grammar` -> the kind of the same name.
-* `tools` with `tool_choice` naming one function, or `"required"`: a structural tag from
-  `xgrammar.get_model_structural_tag(<model's format>, tools, tool_choice, reasoning=False)`
+* `tools` with `tool_choice` naming one function -> json_schema(its `parameters`); `"required"`
+  -> json_schema(an array, minItems 1, of an `anyOf` of `{"name": <enum of one>, "parameters":
+  <its parameters>}` objects: vLLM's schema), what `gateway_svc/tools.py` sends. A structural tag
+  from `xgrammar.get_model_structural_tag(<model's format>, tools, tool_choice, reasoning=False)`
   (the model family's own tool-call syntax, e.g. "qwen_3": `<tool_call>\n{"name": ...,
-  "arguments": ...}\n</tool_call>`; "llama", "harmony", "kimi", "deepseek_v3_1", ...)
-  -> structural_tag(tag.model_dump_json()); the gateway parses the calls out of the text.
-  For a model without such a format: the function's `parameters` schema -> json_schema
-  (named), or an `anyOf` of `{"name": const, "arguments": parameters}` objects (required).
+  "arguments": ...}\n</tool_call>`) -> structural_tag(tag.model_dump_json()) would constrain the
+  family's own syntax instead; the gateway does not know the model's family.
 
 No torch, gRPC or xgrammar here: the scheduler's pure-Python core carries it inside
 `SamplingParams`; the scheduler's compile check and the executor's matcher read it.

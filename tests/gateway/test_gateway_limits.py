@@ -185,8 +185,8 @@ def test_malformed_json_names_the_position_and_unknown_fields_are_refused(stack)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "temprature"
     assert reply.json()["error"]["message"] == "Unrecognized request argument supplied: temprature"
     reply = httpx.post(f"{gateway.url}/v1/chat/completions", headers=AUTH,
-                       json={**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools"
+                       json={**CHAT, "functions": [{"name": "f"}]})  # the legacy form of tools
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "functions"
     assert "not supported" in reply.json()["error"]["message"]
     reply = httpx.post(f"{gateway.url}/v1/chat/completions", json={**CHAT, "tools": [], "tool_choice": "none"},
                        headers=AUTH)

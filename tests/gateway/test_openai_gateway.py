@@ -1,21 +1,29 @@
 """The gateway with the official `openai` package as its client, against the real service.
 
-Greedy answers through the gateway equal the gRPC API's (via pagoda.client), streamed or not.
+Greedy answers through the gateway equal the gRPC API's (via pagoda.client), streamed or not;
+structured output and tool calls too (the same constraint sent over gRPC gives the same text).
 """
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 import time
 
 import httpx2 as httpx
+import jsonschema
 import openai
 import pytest
 
+from gateway_svc.tools import with_tools
 from pagoda.client import Client
 from tests.client.keyed_server import KEY, insecure_keyed_server
 from tests.client.services import EXECUTOR_ARGS, target
 from tests.gateway.gateway import Gateway
-from tests.service.harness import Service
+from tests.service.harness import ROOT, Service
+from tests.structured_reference import CHOICES, DATE_REGEX, LABEL_SCHEMA, WEATHER_TOOL
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -177,3 +185,157 @@ def test_the_bearer_key_is_passed_through():
         bad = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.chat.completions.create(model="keyed", messages=MESSAGES)
+
+
+# -- structured output and tool calls --------------------------------------------------
+
+LABEL_MESSAGES = [{"role": "user", "content": "Is a kitten a cat or a dog? Answer as JSON with a score."}]
+WEATHER_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER_PARAMETERS = WEATHER_TOOL["function"]["parameters"]
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+
+
+def streamed_chat(oai, **kwargs) -> tuple[str, dict[int, dict], str]:
+    """A streamed chat's content, tool calls reassembled from their deltas, and finish reason."""
+    content, calls, finish = "", {}, None
+    for event in oai.chat.completions.create(stream=True, **kwargs):
+        choice = event.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
+            assert delta.id in (None, call["id"])
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_response_format_json_schema_equals_the_grpc_constrained_output(oai, grpc_client, model_name):
+    want = grpc_client.chat(LABEL_MESSAGES, max_tokens=40, temperature=0, json_schema=LABEL_SCHEMA).collect()
+    assert want.outputs[0].finish_reason.value == "eos"  # finished: the schema's object is whole
+    response_format = {"type": "json_schema", "json_schema": {"name": "label", "schema": LABEL_SCHEMA, "strict": True}}
+    reply = oai.chat.completions.create(model=model_name, messages=LABEL_MESSAGES, max_tokens=40, temperature=0,
+                                        response_format=response_format)
+    assert reply.choices[0].message.content == want.text
+    jsonschema.validate(json.loads(reply.choices[0].message.content), LABEL_SCHEMA)
+    assert reply.choices[0].finish_reason == "stop"
+    content, calls, finish = streamed_chat(oai, model=model_name, messages=LABEL_MESSAGES, max_tokens=40,
+                                           temperature=0, response_format=response_format)
+    assert (content, calls, finish) == (want.text, {}, "stop")
+
+
+def test_json_object_and_structured_outputs_regex_and_choice(oai, grpc_client, model_name):
+    prompt = [{"role": "user", "content": "Describe a cat as a JSON object."}]
+    want = grpc_client.chat(prompt, max_tokens=48, temperature=0, json_object=True).collect().text
+    reply = oai.chat.completions.create(model=model_name, messages=prompt, max_tokens=48, temperature=0,
+                                        response_format={"type": "json_object"})
+    assert reply.choices[0].message.content == want
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(want), dict)
+
+    date = [{"role": "user", "content": "When did the Berlin wall fall? Answer with the date."}]
+    reply = oai.chat.completions.create(model=model_name, messages=date, max_tokens=16, temperature=0,
+                                        extra_body={"structured_outputs": {"regex": DATE_REGEX}})
+    assert re.fullmatch(DATE_REGEX, reply.choices[0].message.content), reply.choices[0].message.content
+    assert reply.choices[0].message.content == grpc_client.chat(date, max_tokens=16, temperature=0,
+                                                                regex=DATE_REGEX).collect().text
+    completion = oai.completions.create(model=model_name, prompt="The Berlin wall fell on", max_tokens=16,
+                                        temperature=0, extra_body={"structured_outputs": {"regex": DATE_REGEX}})
+    assert re.fullmatch(DATE_REGEX, completion.choices[0].text), completion.choices[0].text
+
+    sentiment = [{"role": "user", "content": "What is the sentiment of 'I love this film'?"}]
+    for extra in ({"structured_outputs": {"choice": list(CHOICES)}}, {"guided_choice": list(CHOICES)}):
+        reply = oai.chat.completions.create(model=model_name, messages=sentiment, max_tokens=8, temperature=0,
+                                            extra_body=extra)
+        assert reply.choices[0].message.content in CHOICES
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_choice_required_calls_the_tools_streamed_or_not(oai, grpc_client, model_name, parallel):
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    kwargs = dict(model=model_name, messages=WEATHER_MESSAGES, max_tokens=64, temperature=0, tools=tools,
+                  tool_choice="required", parallel_tool_calls=parallel)
+    reply = oai.chat.completions.create(**kwargs)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and (parallel or len(calls) == 1)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    content, streamed, finish = streamed_chat(oai, **kwargs)
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == \
+           [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_a_named_function_streams_its_arguments_as_the_grpc_api_generates_them(oai, grpc_client, model_name):
+    tools = [TIME_TOOL, WEATHER_TOOL]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    want = grpc_client.chat(with_tools(WEATHER_MESSAGES, tuple(tools)), max_tokens=32, temperature=0,
+                            json_schema=WEATHER_PARAMETERS).collect()
+    kwargs = dict(model=model_name, messages=WEATHER_MESSAGES, max_tokens=32, temperature=0, tools=tools,
+                  tool_choice=choice)
+    reply = oai.chat.completions.create(**kwargs)
+    [call] = reply.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", want.text)
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    content, streamed, finish = streamed_chat(oai, **kwargs)
+    assert (content, finish) == ("", "tool_calls")
+    assert list(streamed.values()) == [{"id": streamed[0]["id"], "name": "get_weather", "arguments": want.text}]
+
+
+def test_tool_choice_auto_describes_the_tools_and_reads_the_answer(oai, grpc_client, model_name):
+    from gateway_svc.tools import parse_hermes
+
+    want = grpc_client.chat(with_tools(WEATHER_MESSAGES, (WEATHER_TOOL,)), max_tokens=48, temperature=0).collect().text
+    content, calls = parse_hermes(want)
+    reply = oai.chat.completions.create(model=model_name, messages=WEATHER_MESSAGES, max_tokens=48, temperature=0,
+                                        tools=[WEATHER_TOOL])
+    message = reply.choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == calls
+    assert message.content == ((content or None) if calls else want)
+    history = [*WEATHER_MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    reply = oai.chat.completions.create(model=model_name, messages=history, max_tokens=8, temperature=0,
+                                        tools=[WEATHER_TOOL])
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_bad_schemas_and_formats_are_a_400_naming_the_openai_field(oai, model_name):
+    bad = {"type": "foo"}
+    cases = [
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}), "response_format"),
+        (dict(tools=[WEATHER_TOOL, {"type": "function", "function": {"name": "f", "parameters": bad}}],
+              tool_choice={"type": "function", "function": {"name": "f"}}), "tools[1].function.parameters"),
+        (dict(extra_body={"structured_outputs": {"regex": "(a"}}), "structured_outputs.regex"),
+        (dict(response_format={"type": "xml"}), "response_format"),
+        (dict(response_format={"type": "json_object"}, extra_body={"structured_outputs": {"choice": ["a"]}}),
+         "structured_outputs.choice"),
+    ]
+    for (kwargs, param), stream in zip(cases, (False, True, False, True, False)):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=4, stream=stream, **kwargs)
+        assert err.value.body["param"] == param, err.value.body
+        assert err.value.body["message"].startswith(param), err.value.body
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=model_name, prompt="hi", max_tokens=4,
+                               extra_body={"response_format": {"type": "json_schema",
+                                                               "json_schema": {"name": "x", "schema": bad}}})
+    assert err.value.body["param"] == "response_format", err.value.body
+
+
+def test_the_readme_structured_output_example_runs_as_written(gateway, model_name):
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("Structured output and a tool call, with the `openai` package:\n\n```python\n", 1)[1]
+    example = example.split("```", 1)[0].replace("http://127.0.0.1:8000", gateway.url)
+    done = subprocess.run([sys.executable, "-c", example.replace("SmolLM2-135M-Instruct", model_name)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    *arguments, answer = done.stdout.splitlines()  # the arguments' JSON may span lines
+    assert json.loads("\n".join(arguments))["city"], done.stdout
+    assert answer in ("cat", "dog"), done.stdout
