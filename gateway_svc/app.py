@@ -239,7 +239,7 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
         request.state.constraint_param = output.param
         params = chat_params(body, output.params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = client.chat(chat_messages(body, output.tools), params, request_id=rid, api_key=key)
+        stream = client.chat(chat_messages(body), params, tools=output.tools, request_id=rid, api_key=key)
         log.info("%s: %d message(s), n=%d, user=%s", rid, len(body.messages), body.n, _user(body))
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": name}
 

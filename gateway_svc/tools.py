@@ -15,10 +15,9 @@ the gateway answers with that field)::
 calls it writes in the Hermes / Qwen form, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
 are parsed ("auto", the default with tools; a model that writes none answers text).
 
-The chat template is applied by the scheduler to `{role, content}` messages (`pagoda.v1.Chat`
-has no field for tools or tool calls), so the gateway renders them into the messages in the
-Hermes form that Qwen 2.5 / 3's templates use: the tools as a system message's `<tools>` block,
-an assistant's calls as `<tool_call>` blocks of its content; a `tool` message keeps its role.
+The tools, an assistant's calls and a tool's answers travel in `pagoda.v1.Chat`; the scheduler
+gives them to the model's chat template, or writes them in the Hermes form for a template that
+does not read tools (`scheduler_svc/chat.py`).
 """
 
 from __future__ import annotations
@@ -112,37 +111,6 @@ def required_schema(tools, parallel: bool = True) -> dict:
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     return schema if parallel else {**schema, "maxItems": 1}
-
-
-_TOOLS_PROMPT = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
-
-
-def with_tools(messages: list[dict], tools: tuple[dict, ...]) -> list[dict]:
-    """`messages` with the tools described at the end of the system message (one first if none)."""
-    text = _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-    if messages and messages[0]["role"] == "system":
-        first = messages[0]["content"]
-        return [{"role": "system", "content": f"{first}\n\n{text}" if first else text}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
-def with_tool_calls(content: str, calls: list[tuple[str, object]]) -> str:
-    """An assistant's content followed by its calls (name, arguments) as `<tool_call>` blocks."""
-    blocks = [f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
-              for name, arguments in calls]
-    return "\n".join([content, *blocks] if content else blocks)
 
 
 # -- reading the output ---------------------------------------------------------------

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from gateway_svc.errors import GatewayError
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
-from gateway_svc.tools import with_tool_calls, with_tools
 from pagoda.client import Chunk, FinishReason, GenerateParams, TokenLogprob, Usage
 
 _UINT64 = (1 << 64) - 1
@@ -83,9 +82,9 @@ def chat_params(req: ChatCompletionRequest, constraint: dict) -> GenerateParams:
     return _common(req, max_tokens, req.logprobs, req.top_logprobs or 0, constraint)
 
 
-def chat_messages(req: ChatCompletionRequest, tools: tuple[dict, ...] = ()) -> list[dict[str, str]]:
-    """Messages with text content (content parts of type "text" are joined); the tools and an
-    assistant's `tool_calls` written in the Hermes form (`gateway_svc/tools.py`)."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """Messages with text content (content parts of type "text" are joined), an assistant's
+    `tool_calls` and a tool's `tool_call_id` kept (the scheduler gives them to the template)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -97,13 +96,19 @@ def chat_messages(req: ChatCompletionRequest, tools: tuple[dict, ...] = ()) -> l
                                        param=f"messages.{i}.content")
                 parts.append(part.get("text", ""))
             content = "".join(parts)
-        try:
-            calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or ()]
-        except ValueError:
-            param = f"messages.{i}.tool_calls"
-            raise GatewayError(400, f"{param}: function.arguments must be JSON text", param=param) from None
-        out.append({"role": m.role, "content": with_tool_calls(content or "", calls)})
-    return with_tools(out, tools) if tools else out
+        message = {"role": m.role, "content": content or ""}
+        for j, c in enumerate(m.tool_calls or ()):
+            try:
+                json.loads(c.function.arguments)
+            except ValueError:
+                param = f"messages.{i}.tool_calls.{j}.function.arguments"
+                raise GatewayError(400, f"{param}: must be JSON text", param=param) from None
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 def usage_json(usages: list[Usage | None]) -> dict:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from scheduler_svc.chat import hermes, uses_tools
+
 try:  # transformers 5: the class of every tokenizer backed by the Rust `tokenizers`
     from transformers.tokenization_utils_tokenizers import TokenizersBackend as _TokenizersBackend
 except ImportError:  # pragma: no cover - other transformers: always tokenizer.encode
@@ -83,9 +85,14 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    """The template's token ids; tools and tool calls go to a template that reads them, and are
+    written in the Hermes form for one that does not (`scheduler_svc/chat.py`)."""
+    if (tools or any("tool_calls" in m for m in messages)) and not uses_tools(tokenizer, tools):
+        messages, tools = hermes(messages, tools), None
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
     return encode(tokenizer, text, add_special_tokens=False)
 
 

@@ -35,6 +35,7 @@ from pagoda.wire import constraint_from_proto
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.core import fit_error
 from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.chat import template_input
 from scheduler_svc.tokenizer import ModelSpec, apply_chat_template, encode_text
 
 MAX_N = 16
@@ -317,13 +318,8 @@ def prompt_token_ids(req: pb.GenerateRequest, tokenizer: PreTrainedTokenizerBase
 
 
 def chat_token_ids(chat: pb.Chat, tokenizer: PreTrainedTokenizerBase, field: str, add_generation_prompt: bool = True) -> list[int]:
-    if not chat.messages:
-        raise InvalidArgument(f"{field}.messages", "must not be empty")
-    for i, message in enumerate(chat.messages):
-        if not message.role:
-            raise InvalidArgument(f"{field}.messages[{i}].role", "must not be empty")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages, tools = template_input(chat, field)
     try:
-        return apply_chat_template(tokenizer, messages, add_generation_prompt)
+        return apply_chat_template(tokenizer, messages, add_generation_prompt, tools)
     except Exception as exc:  # a template may reject a role order, say
         raise InvalidArgument(f"{field}.messages", f"the chat template rejected them: {exc}") from exc

@@ -79,6 +79,9 @@ class GenerateParams:
     json_object: bool = False
     choice: Sequence[str] | None = None
     structural_tag: Mapping | str | None = None
+    # functions the model may call (chat prompts only), as OpenAI writes them:
+    # {"type": "function", "function": {"name", "description", "parameters"}} or the inner dict
+    tools: Sequence[Mapping] = ()
 
     @classmethod
     def of(cls, params: GenerateParams | None = None, **overrides) -> GenerateParams:
@@ -114,6 +117,10 @@ class GenerateParams:
         if self.priority is not None:
             req.priority = self.priority
         self._fill_constraint(req.constraint)
+        if self.tools:
+            if req.WhichOneof("prompt") != "chat":
+                raise ValueError("tools need a chat prompt (chat(), not generate())")
+            req.chat.tools.extend(_tool(t) for t in self.tools)
         return req
 
     def _fill_constraint(self, msg: pb.Constraint) -> None:
@@ -142,17 +149,36 @@ class ChatMessage:
     content: str
 
 
-def chat_messages(messages: Iterable[ChatMessage | Mapping[str, str] | tuple[str, str]]) -> list[pb.ChatMessage]:
-    """Messages given as ChatMessage, {"role", "content"} dicts or (role, content) pairs."""
+def _json_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _tool(tool: Mapping) -> pb.Tool:
+    f = tool.get("function", tool)
+    parameters = f.get("parameters")
+    return pb.Tool(name=f["name"], description=f.get("description") or "",
+                   parameters=_json_text(parameters) if parameters is not None else "")
+
+
+def _tool_call(call: Mapping) -> pb.ToolCall:
+    f = call.get("function", call)
+    return pb.ToolCall(id=call.get("id") or "", name=f["name"], arguments=_json_text(f.get("arguments", {})))
+
+
+def chat_messages(messages: Iterable[ChatMessage | Mapping | tuple[str, str]]) -> list[pb.ChatMessage]:
+    """Messages given as ChatMessage, {"role", "content"} dicts (OpenAI's, so also an
+    assistant's "tool_calls" and a tool's "tool_call_id") or (role, content) pairs."""
     out = []
     for m in messages:
         if isinstance(m, ChatMessage):
-            role, content = m.role, m.content
+            out.append(pb.ChatMessage(role=m.role, content=m.content))
         elif isinstance(m, Mapping):
-            role, content = m["role"], m["content"]
+            out.append(pb.ChatMessage(role=m["role"], content=m.get("content") or "",
+                                      tool_calls=[_tool_call(c) for c in m.get("tool_calls") or ()],
+                                      tool_call_id=m.get("tool_call_id") or ""))
         else:
             role, content = m
-        out.append(pb.ChatMessage(role=role, content=content))
+            out.append(pb.ChatMessage(role=role, content=content))
     return out
 
 

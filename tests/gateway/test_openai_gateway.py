@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from gateway_svc.tools import with_tools
+from scheduler_svc.chat import hermes
 from pagoda.client import Client
 from tests.client.keyed_server import KEY, insecure_keyed_server
 from tests.client.services import EXECUTOR_ARGS, target
@@ -274,7 +274,7 @@ def test_tool_choice_required_calls_the_tools_streamed_or_not(oai, grpc_client, 
 def test_a_named_function_streams_its_arguments_as_the_grpc_api_generates_them(oai, grpc_client, model_name):
     tools = [TIME_TOOL, WEATHER_TOOL]
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    want = grpc_client.chat(with_tools(WEATHER_MESSAGES, tuple(tools)), max_tokens=32, temperature=0,
+    want = grpc_client.chat(WEATHER_MESSAGES, max_tokens=32, temperature=0, tools=tools,
                             json_schema=WEATHER_PARAMETERS).collect()
     kwargs = dict(model=model_name, messages=WEATHER_MESSAGES, max_tokens=32, temperature=0, tools=tools,
                   tool_choice=choice)
@@ -291,7 +291,10 @@ def test_a_named_function_streams_its_arguments_as_the_grpc_api_generates_them(o
 def test_tool_choice_auto_describes_the_tools_and_reads_the_answer(oai, grpc_client, model_name):
     from gateway_svc.tools import parse_hermes
 
-    want = grpc_client.chat(with_tools(WEATHER_MESSAGES, (WEATHER_TOOL,)), max_tokens=48, temperature=0).collect().text
+    want = grpc_client.chat(WEATHER_MESSAGES, max_tokens=48, temperature=0, tools=[WEATHER_TOOL]).collect().text
+    # SmolLM2's template does not read tools: the scheduler writes them in the Hermes form
+    assert want == grpc_client.chat(hermes(WEATHER_MESSAGES, [WEATHER_TOOL]), max_tokens=48, temperature=0).collect().text
+    assert want != grpc_client.chat(WEATHER_MESSAGES, max_tokens=48, temperature=0).collect().text
     content, calls = parse_hermes(want)
     reply = oai.chat.completions.create(model=model_name, messages=WEATHER_MESSAGES, max_tokens=48, temperature=0,
                                         tools=[WEATHER_TOOL])

@@ -103,25 +103,22 @@ def test_the_required_schema_admits_calls_of_the_tools_only():
             jsonschema.validate(two, schema)
 
 
-def test_tools_and_past_calls_are_written_into_the_messages():
-    req = chat(messages=[
+def test_past_calls_and_tool_answers_are_kept_for_the_template():
+    history = [
         {"role": "system", "content": "Be brief."}, *MESSAGES,
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], tools=[WEATHER_TOOL])
-    messages = chat_messages(req, structured(req).tools)
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
-    assert messages[0]["content"].startswith("Be brief.\n\n# Tools")
-    assert json.dumps(WEATHER_TOOL) in messages[0]["content"]
-    assert parse_hermes(messages[2]["content"]) == ("", [("get_weather", '{"city": "Paris"}')])
-    assert messages[3]["content"] == "sunny"
-    unused = chat(tools=[WEATHER_TOOL], tool_choice="none")
-    assert chat_messages(unused, structured(unused).tools) == MESSAGES
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    req = chat(messages=history, tools=[WEATHER_TOOL])
+    messages = chat_messages(req)
+    assert messages == [{**m, "content": m["content"] or ""} for m in history]
+    assert structured(req).tools == (WEATHER_TOOL,)
+    assert structured(chat(tools=[WEATHER_TOOL], tool_choice="none")).tools == ()
     bad = chat(messages=[{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}])
     with pytest.raises(GatewayError) as err:
         chat_messages(bad)
-    assert err.value.param == "messages.0.tool_calls"
+    assert err.value.param == "messages.0.tool_calls.0.function.arguments"
 
 
 def test_hermes_tool_calls_are_parsed_and_other_text_kept():
