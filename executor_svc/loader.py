@@ -91,8 +91,9 @@ def load_model(
     if quantization != "none" and (device.type != "cpu" or dtype != torch.float32):
         raise UnsupportedModelError(f"quantization {quantization!r} runs on the CPU in float32, not {device} {dtype}")
     config = load_config(model_dir)
-    if type(config) is not ModelConfig and (quantization != "none" or (tp is not None and tp.size > 1)):
-        raise UnsupportedModelError(f"{config.architecture}: quantization and tensor parallelism are for Llama-family models only")
+    llama_family = type(config) is ModelConfig  # the others: executor_svc.models.layers.FamilyDecoder
+    if not llama_family and (quantization == "int8" or (tp is not None and tp.size > 1)):
+        raise UnsupportedModelError(f"{config.architecture}: int8 and tensor parallelism are for Llama-family models only")
     read = None
     if tp is not None and tp.size > 1:
         if gguf_file is not None or quantization != "none":
@@ -104,7 +105,11 @@ def load_model(
 
         shards = TensorShards(config, tp.rank, tp.size)  # refuses a model that does not split
         config, read = shards.local_config, shards.read
-    if gguf_file is not None:
+    if gguf_file is not None and not llama_family:  # dequantized: no blocks kept (executor_svc.models.gguf)
+        from executor_svc.models.gguf import load_family_gguf
+
+        model = load_family_gguf(gguf_file, config, device, dtype)
+    elif gguf_file is not None:
         from executor_svc.quant.gguf_loader import load_gguf_model
 
         model = load_gguf_model(gguf_file, config, device, dtype, keep_blocks=quantization == "gguf")

@@ -66,12 +66,16 @@ def tiny_config(kind: str):
     raise ValueError(kind)
 
 
-def build_family(kind: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Save a tiny random `kind` model with the tokenizer of `tokenizer_dir` into `out_dir`."""
+def build_family(kind: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, **config_changes) -> Path:
+    """Save a tiny random `kind` model (its config changed by `config_changes`) with the tokenizer
+    of `tokenizer_dir` into `out_dir`."""
     from transformers import AutoModelForCausalLM
 
+    config = tiny_config(kind)
+    for name, value in config_changes.items():
+        setattr(config, name, value)
     torch.manual_seed(seed + FAMILIES.index(kind))
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim == 1:
@@ -92,3 +96,76 @@ def load_reference(model_dir: Path, **config_changes):
     for name, value in config_changes.items():
         setattr(config, name, value)
     return AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+# GGUF files: the families transformers reads from GGUF (`transformers.integrations.ggml`), with
+# the GGUF architecture name llama.cpp's converter writes
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
+# what a GGUF file cannot say, so that transformers' reading of it keeps the tensors' shapes
+GGUF_CONFIG = {"qwen3": {"head_dim": 128}}  # (transformers' Qwen3 GGUF config takes the default head_dim)
+
+
+def write_gguf(kind: str, model_dir: Path, out_path: Path) -> Path:
+    """The folder's model as a float32 GGUF file, written as llama.cpp's converter does: the `gguf`
+    package's tensor names, q/k rows permuted for "llama", Gemma's norm weights stored as 1 + w.
+    No tokenizer (reading 49152 tokens and their merges from a GGUF file takes seconds each
+    time): `gguf_model_dir` gives the runner the folder's tokenizer files instead."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    arch = GGUF_ARCHITECTURES[kind]
+    config = AutoConfig.from_pretrained(model_dir)
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    w = gguf.GGUFWriter(str(out_path), arch)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(float((config.rope_parameters.get("full_attention") or config.rope_parameters)["rope_theta"]))
+    w.add_vocab_size(config.vocab_size)
+    w.add_rope_dimension_count(config.head_dim)
+    if kind.startswith("gemma"):
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+        w.add_sliding_window(config.sliding_window)
+    w.add_bos_token_id(config.bos_token_id)
+    w.add_eos_token_id(config.eos_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    for name, tensor in tensors.items():
+        data = tensor.float()
+        if kind == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        if kind.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        w.add_tensor(gguf_name, data.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def gguf_model_dir(gguf_path: Path, model_dir: Path, out_dir: Path) -> Path:
+    """What `pagoda.model_files.gguf_metadata_dir` makes of a GGUF file -- transformers' config of
+    it, tokenizer files, the marker naming the file as the weights -- with the tokenizer files
+    of `model_dir` (the file has none)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from pagoda.model_files import GGUF_SOURCE
+
+    AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (Path(model_dir) / name).exists():
+            shutil.copy(Path(model_dir) / name, Path(out_dir) / name)
+    marker = {"file": str(gguf_path.resolve()), "key": gguf_path.stem, "weights": "gguf"}
+    (Path(out_dir) / GGUF_SOURCE).write_text(json.dumps(marker))
+    return Path(out_dir)

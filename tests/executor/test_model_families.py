@@ -6,7 +6,8 @@ scheduler in float32: a chat prompt and a prompt of several windows, prefilled i
 prefix cache. Greedy tokens equal transformers' token for token; every computed row's
 log-probabilities are within 1e-4 of transformers'. The sliding families keep their windows
 in their own KV cache groups, and transformers without the windows gives other tokens on
-these prompts (so the windows are tested).
+these prompts (so the windows are tested). The families transformers reads from GGUF are
+also written as GGUF files and compared with transformers' reading of the same file.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pagoda.step import SamplingParams
 from scheduler_svc.core import Request, Scheduler, SchedulerConfig
 from tests.executor.plans import run_with_scheduler
 from tests.executor.test_model_runner import hf_greedy
-from tests.model_families import FAMILIES, SLIDING, WINDOW, build_family, load_reference
+from tests.model_families import FAMILIES, GGUF_ARCHITECTURES, GGUF_CONFIG, SLIDING, WINDOW, build_family, gguf_model_dir, load_reference, write_gguf
 
 GREEDY = SamplingParams(temperature=0.0)
 MAX_TOKENS = 24
@@ -73,18 +74,13 @@ def serve_recording_logits(runner: ModelRunner, *batches: list[Request]) -> dict
     return rows
 
 
-@pytest.mark.parametrize("kind", FAMILIES)
-def test_family_equals_transformers(kind, family_dirs, prompts):
-    model_dir = family_dirs[kind]
-    reference = load_reference(model_dir)
-    runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=160)
-    windows = {g.sliding_window for g in runner.kv_cache_groups}
-    assert windows == ({None, WINDOW} if kind in ("qwen2", "qwen3", "gemma2", "gemma3") else {WINDOW} if kind in SLIDING else {None})
+def assert_runner_equals_transformers(runner: ModelRunner, reference, prompts) -> None:
+    """The chat and long prompts at once, then the longer chat (a prefix hit): greedy tokens equal
+    transformers'; every computed row's log-probabilities within 1e-4."""
     first = [Request(name, prompts[name], GREEDY, max_tokens=MAX_TOKENS) for name in ("chat", "long")]
     again = Request("more", prompts["more"], GREEDY, max_tokens=MAX_TOKENS)
     rows = serve_recording_logits(runner, first, [again])
     assert again.num_cached_tokens >= 8  # the chat prompt's blocks (the windowed groups' last ones)
-
     for request in (*first, again):
         expected = hf_greedy(reference, request.prompt_token_ids, MAX_TOKENS)
         assert len(expected) >= 8, request.req_id
@@ -95,9 +91,38 @@ def test_family_equals_transformers(kind, family_dirs, prompts):
         with torch.no_grad():
             theirs = reference(torch.tensor([tokens[:-1]])).logits[0].float().log_softmax(-1)
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_family_equals_transformers(kind, family_dirs, prompts):
+    model_dir = family_dirs[kind]
+    reference = load_reference(model_dir)
+    runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=160)
+    windows = {g.sliding_window for g in runner.kv_cache_groups}
+    assert windows == ({None, WINDOW} if kind in ("qwen2", "qwen3", "gemma2", "gemma3") else {WINDOW} if kind in SLIDING else {None})
+    assert_runner_equals_transformers(runner, reference, prompts)
     if kind in SLIDING:
         unwindowed = load_reference(model_dir, sliding_window=10_000)  # wider than any sequence here
         assert hf_greedy(unwindowed, prompts["long"], MAX_TOKENS) != hf_greedy(reference, prompts["long"], MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kind", list(GGUF_ARCHITECTURES))
+def test_family_gguf_file_equals_transformers_reading_it(kind, tmp_path, default_model_dir, prompts):
+    """The family as a float32 GGUF file (llama.cpp's naming and layout), read by the runner and by
+    transformers' own GGUF loading: the same tokens and log-probabilities."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, gguf_dir = tmp_path / "hf", tmp_path / "gguf"
+    build_family(kind, hf_dir, default_model_dir, **GGUF_CONFIG.get(kind, {}))
+    path = write_gguf(kind, hf_dir, tmp_path / f"tiny-{kind}.gguf")
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    runner = ModelRunner(gguf_model_dir(path, hf_dir, gguf_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=160)
+    assert runner.config.architecture == load_config(hf_dir).architecture
+    if kind == "gemma2":  # the window survives the file (attention.sliding_window)
+        assert {g.sliding_window for g in runner.kv_cache_groups} == {None, WINDOW}
+    assert_runner_equals_transformers(runner, reference, prompts)
 
 
 def test_every_registered_architecture_has_a_tiny_model(family_dirs):
