@@ -10,8 +10,7 @@ transformers undoes it:
 - Gemma's `ffn_norm` is the norm before the MLP, `post_attention_norm` / `post_ffw_norm` the
   norms after attention and the MLP; elsewhere `ffn_norm` is Llama's post-attention norm;
 - Phi-3's `attn_qkv` and `ffn_up` are the merged projections as its checkpoint stores them;
-- no q/k row permutation (llama.cpp permutes "llama" files only);
-- experts stored as one [E, out, in] tensor each (`ffn_{gate,up,down}_exps`) are split per expert.
+- no q/k row permutation (llama.cpp permutes "llama" files only).
 
 Nothing is kept in blocks: a model of these families loads as quantization "none".
 """
@@ -28,7 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 # GGUF architecture -> what its tensors are called (the name map of llama.cpp's converter)
-ARCHITECTURES = ("qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+# (not qwen3moe: transformers' GGUF config of it has no `moe_intermediate_size`, so no reference reads one)
+ARCHITECTURES = ("qwen3", "phi3", "gemma2", "gemma3")
 _LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -41,7 +41,6 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
     "ffn_norm": "post_attention_layernorm",
 }
 _GEMMA_LAYER = {
@@ -49,7 +48,6 @@ _GEMMA_LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _IGNORED = ("rope_freqs.weight",)
 
@@ -85,10 +83,6 @@ def hf_tensors(path: Path) -> Iterator[tuple[str, str, object]]:
         where = f"{path.name}: {t.name}"
         if base in _GLOBAL:
             yield where, f"{_GLOBAL[base]}.{suffix}", lambda t=t: values(t)
-        elif parts[0] == "blk" and len(parts) == 3 and parts[2] in _EXPERTS:
-            for expert in range(int(t.shape[-1])):  # GGUF shapes list the expert dimension last
-                name = f"model.layers.{parts[1]}.mlp.experts.{expert}.{_EXPERTS[parts[2]]}.{suffix}"
-                yield f"{where}[{expert}]", name, lambda t=t, e=expert: values(t)[e]
         elif parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
             yield where, f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}", lambda t=t: values(t)
         else:
