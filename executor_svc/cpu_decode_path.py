@@ -70,8 +70,14 @@ class CpuDecodePath:
 
     @classmethod
     def build(cls, model: DecoderModel, attention) -> CpuDecodePath | None:
-        """The path for `model`, or None where some part of it is not what the C calls expect."""
+        """The path for `model`, or None where some part of it is not what the C calls expect.
+
+        Only Llama-family models (`DecoderModel`) with full attention on every layer: the other
+        families (`executor_svc.models.layers.FamilyDecoder`) and sliding windows go through the modules.
+        """
         c = model.config
+        if type(model) is not DecoderModel or any(w is not None for w in c.layer_windows):
+            return None
         library = cpu_ops_library()
         if (
             library is None or model.device.type != "cpu" or model.dtype != torch.float32 or model.tp.size != 1

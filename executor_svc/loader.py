@@ -8,14 +8,12 @@ itself, is read by `executor_svc.quant.gguf_loader`: its blocks kept (`quantizat
 or dequantized as transformers does (`"none"`). `"int8"` then requantizes every linear layer
 (`executor_svc.quant.int8_linear`).
 
-Supported: Llama-family decoders (`LlamaForCausalLM`, `MistralForCausalLM`,
-`Qwen2ForCausalLM`): q/k/v bias (Qwen2), tied or untied embeddings, RoPE types whose
-inverse frequencies do not depend on the sequence length (default, linear, llama3,
-yarn). Sliding-window attention (Mistral, Qwen2 `use_sliding_window`) is ignored: every
-layer attends to the full context, which matches a windowed model only while sequences
-are shorter than the window.
+Supported: the families of `executor_svc.models` (`SUPPORTED_ARCHITECTURES`), each reading
+its config and placing its tensors; RoPE types whose inverse frequencies do not depend on
+the sequence length (default, linear, llama3, yarn). Sliding windows (Mistral, Qwen2/3
+`layer_types`, Gemma 2/3) are kept: `ModelConfig.layer_types`, one KV cache group per window.
 
-Checkpoint names map onto the merged projections::
+Llama-family checkpoint names map onto the merged projections::
 
     model.layers.N.self_attn.{q,k,v}_proj.{weight,bias}  ->  layers.N.qkv_proj  rows [q | k | v]
     model.layers.N.mlp.{gate,up}_proj.weight             ->  layers.N.gate_up_proj rows [gate | up]
@@ -32,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from executor_svc.model import ModelConfig
+from executor_svc.models import BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES, family  # noqa: F401 (re-exported)
 from pagoda.model_files import gguf_source
 
 if TYPE_CHECKING:
@@ -39,8 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QUANTIZATIONS = ("none", "gguf", "int8")
 
 
@@ -49,7 +46,8 @@ class UnsupportedModelError(ValueError):
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
-    """The config of a Hugging Face directory or (read by transformers from its metadata) a .gguf file."""
+    """The config of a Hugging Face directory or (read by transformers from its metadata) a .gguf file,
+    read by its family (`executor_svc.models`); an architecture without one is refused."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
@@ -57,69 +55,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         hf = AutoConfig.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name, local_files_only=True)
     else:
         hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    by_model_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-    architecture = (getattr(hf, "architectures", None) or [by_model_type.get(hf.model_type, hf.model_type)])[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"architecture {architecture!r} is not supported (expected one of {SUPPORTED_ARCHITECTURES})"
-        )
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"hidden_act {hf.hidden_act!r}: only silu is supported")
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    if hf.num_attention_heads % num_kv_heads:
-        raise UnsupportedModelError(
-            f"num_attention_heads {hf.num_attention_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
-        )
-    inv_freq, attention_scaling = _rope(hf, head_dim)
-    eos = hf.eos_token_id
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    is_qwen2 = architecture == "Qwen2ForCausalLM"
-    sliding_window = getattr(hf, "sliding_window", None)
-    if sliding_window is not None and sliding_window < hf.max_position_embeddings:
-        logger.warning(
-            "%s: sliding_window %d is ignored (full attention): outputs differ past %d tokens",
-            model_dir,
-            sliding_window,
-            sliding_window,
-        )
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=hf.rms_norm_eps,
-        max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        qkv_bias=True if is_qwen2 else bool(getattr(hf, "attention_bias", False)),
-        o_bias=False if is_qwen2 else bool(getattr(hf, "attention_bias", False)),
-        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        inv_freq=tuple(inv_freq.tolist()),
-        rope_attention_scaling=float(attention_scaling),
-        sliding_window=sliding_window,
-        eos_token_ids=eos_ids,
-    )
-
-
-def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies through transformers' own RoPE initialisers."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(hf, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (expected one of {STATIC_ROPE_TYPES})")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
-    if rope_type == "default":
-        base = params["rope_theta"]
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
-    return inv_freq.float(), attention_scaling
+    architecture = (getattr(hf, "architectures", None) or [BY_MODEL_TYPE.get(hf.model_type, hf.model_type)])[0]
+    return family(architecture).read_config(hf, architecture)
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -145,8 +82,6 @@ def load_model(
     `tp` (a `TensorParallel` of size > 1): build the rank's shard and read only its slices
     (safetensors weights, quantization "none").
     """
-    from executor_svc.model import DecoderModel
-
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: expected one of {QUANTIZATIONS}")
     model_dir = Path(model_dir)
@@ -156,6 +91,9 @@ def load_model(
     if quantization != "none" and (device.type != "cpu" or dtype != torch.float32):
         raise UnsupportedModelError(f"quantization {quantization!r} runs on the CPU in float32, not {device} {dtype}")
     config = load_config(model_dir)
+    llama_family = type(config) is ModelConfig  # the others: executor_svc.models.layers.FamilyDecoder
+    if not llama_family and (quantization == "int8" or (tp is not None and tp.size > 1)):
+        raise UnsupportedModelError(f"{config.architecture}: int8 and tensor parallelism are for Llama-family models only")
     read = None
     if tp is not None and tp.size > 1:
         if gguf_file is not None or quantization != "none":
@@ -167,13 +105,17 @@ def load_model(
 
         shards = TensorShards(config, tp.rank, tp.size)  # refuses a model that does not split
         config, read = shards.local_config, shards.read
-    if gguf_file is not None:
+    if gguf_file is not None and not llama_family:  # dequantized: no blocks kept (executor_svc.models.gguf)
+        from executor_svc.models.gguf import load_family_gguf
+
+        model = load_family_gguf(gguf_file, config, device, dtype)
+    elif gguf_file is not None:
         from executor_svc.quant.gguf_loader import load_gguf_model
 
         model = load_gguf_model(gguf_file, config, device, dtype, keep_blocks=quantization == "gguf")
     else:
         with torch.device("meta"):
-            model = DecoderModel(config, dtype=dtype, tp=tp)
+            model = family(config.architecture).build(config, dtype=dtype, tp=tp)
         model = model.to_empty(device=device)
         model.init_buffers()
         load_weights(model, model_dir, read)
@@ -214,23 +156,27 @@ def fill_parameters(model: torch.nn.Module, tensors, source: str) -> None:
     `tensors` yields (where, checkpoint name in Hugging Face's naming, a function returning the tensor).
     """
     config: ModelConfig = model.config
+    target_of = family(config.architecture).weight_target
     params = dict(model.named_parameters())  # a tied lm_head is embed_tokens, listed once
-    rows_filled = dict.fromkeys(params, 0)
+    filled = dict.fromkeys(params, 0)  # elements
     for where, name, read in tensors:
-        target = _target(name, config)
+        target = target_of(name, config)
         if target is None:
             continue
-        param_name, row_start = target
+        param_name, start = target
         if param_name not in params:
             raise UnsupportedModelError(f"{where}: tensor {name} has no place in the model")
         tensor = read()
-        param = params[param_name].data
-        rows = param if row_start is None else param.narrow(0, row_start, tensor.shape[0])
+        rows = params[param_name].data
+        if isinstance(start, tuple):  # (expert, first row or None)
+            rows, start = rows[start[0]], start[1]
+        if start is not None:
+            rows = rows.narrow(0, start, tensor.shape[0])
         if rows.shape != tensor.shape:
             raise UnsupportedModelError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
         rows.copy_(tensor)
-        rows_filled[param_name] += tensor.shape[0]
-    missing = [name for name, param in params.items() if rows_filled[name] != param.shape[0]]
+        filled[param_name] += tensor.numel()
+    missing = [name for name, param in params.items() if filled[name] != param.numel()]
     if missing:
         raise UnsupportedModelError(f"checkpoint {source} does not fill {len(missing)} tensors, e.g. {missing[:3]}")
 

@@ -42,8 +42,17 @@ class ModelConfig:
     mlp_bias: bool
     inv_freq: tuple[float, ...]  # RoPE inverse frequencies, head_dim // 2 of them
     rope_attention_scaling: float  # multiplies cos and sin (yarn); 1.0 otherwise
-    sliding_window: int | None  # ignored: see the module docstring
+    sliding_window: int | None  # the window of the layers whose `layer_types` is "sliding_attention"
     eos_token_ids: tuple[int, ...]
+    # per layer "full_attention" / "sliding_attention" (transformers' names); None: every layer full
+    layer_types: tuple[str, ...] | None = None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None for full attention."""
+        if self.layer_types is None or self.sliding_window is None:
+            return (None,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @property
     def q_size(self) -> int:
@@ -166,10 +175,11 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, sliding_window: int | None = None) -> None:
         super().__init__()
         c = config
         self.config = c
+        self.sliding_window = sliding_window
         self.tp = tp  # row-parallel o_proj and down_proj: one all-reduce each
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias, dtype=dtype)
@@ -202,7 +212,10 @@ class DecoderLayer(nn.Module):
             q.view(num_tokens, c.num_heads, c.head_dim), k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin
         )
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-        attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if self.sliding_window is None:
+            attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        else:
+            attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding_window=self.sliding_window)
         hidden = self.tp.all_reduce(self.o_proj(attn.reshape(num_tokens, c.q_size)))
         hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, c.rms_norm_eps)
         hidden = self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))))
@@ -229,7 +242,7 @@ class DecoderModel(nn.Module):
         self.tp = tp or TensorParallel()
         vocab_rows = config.vocab_size // self.tp.size
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, self.tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, self.tp, window) for window in config.layer_windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
             None

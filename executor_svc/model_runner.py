@@ -286,9 +286,9 @@ class ModelRunner:
         """Whether the model's attention keeps each sliding-window layer to its window.
 
         Only then do its sliding-window layers get groups of their own, whose blocks
-        outside the window the scheduler frees. Models that export their layers' types
-        (`ModelConfig.layer_types`, the per-family models) do; until then a windowed model
-        attends to everything, and keeps full-attention KV.
+        outside the window the scheduler frees. Every family of `executor_svc.models` exports
+        its layers' types (`ModelConfig.layer_types`) and passes each layer's window to the
+        attention backend; a config without them is treated as full attention throughout.
         """
         return getattr(self.config, "layer_types", None) is not None
 

@@ -49,8 +49,15 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """Write k and v into their slots, then attend; returns [num_tokens, num_heads, head_dim]."""
+        """Write k and v into their slots, then attend; returns [num_tokens, num_heads, head_dim].
+
+        `sliding_window` W: a query at position p sees the keys at p - W + 1 .. p only (the
+        blocks before may have been freed); `logits_soft_cap` c: scores become tanh(s / c) * c
+        before the mask. A layer without either is called without them.
+        """
         ...
 
     def copy_blocks(self, caches: list[torch.Tensor], src_dst: torch.Tensor) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from executor_svc.attention import windowed
 from executor_svc.attention.base import AttentionMetadata
 
 
@@ -95,7 +96,13 @@ class TorchBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        """`sliding_window` / `logits_soft_cap`: such a layer goes through `windowed.attend`."""
+        if sliding_window is not None or logits_soft_cap is not None:
+            self._write_kv(k, v, k_cache, v_cache, _write_only_layout(meta))
+            return windowed.attend(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
         kernel = self._kernel if k_cache.dtype == q.dtype == torch.float32 and k_cache.device.type == "cpu" else None
         layout = self._layout_for(meta, k_cache.shape[1], kernel)
         self._write_kv(k, v, k_cache, v_cache, layout)
@@ -152,6 +159,15 @@ class TorchBackend:
             self._layout = _build_layout(meta, block_size, kernel)
             self._layout_meta = meta
         return self._layout
+
+
+def _write_only_layout(meta: AttentionMetadata) -> _StepLayout:
+    slot_mapping = meta.slot_mapping.long()
+    written = slot_mapping >= 0
+    if bool(written.all()):
+        return _StepLayout(write_rows=None, write_slots=slot_mapping, groups=[])
+    rows = written.nonzero().squeeze(1)
+    return _StepLayout(write_rows=rows, write_slots=slot_mapping[rows], groups=[])
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

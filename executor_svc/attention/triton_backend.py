@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from executor_svc.attention import windowed
 from executor_svc.attention.base import AttentionMetadata
 from kernels.copy_blocks import copy_blocks
 from kernels.paged_attention import paged_attention
@@ -57,10 +58,17 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        """`sliding_window` / `logits_soft_cap`: such a layer attends through `windowed.attend` (no kernel yet)."""
         if k_cache.dtype != self.cache_dtype(q.dtype):
             raise ValueError(f"KV cache is {k_cache.dtype}, this backend expects {self.cache_dtype(q.dtype)}")
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
+        if sliding_window is not None or logits_soft_cap is not None:
+            if self.kv_cache_dtype is not None:
+                raise NotImplementedError("sliding windows and soft-capping with an fp8 KV cache")
+            return windowed.attend(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
         return paged_attention(
             q,
             k_cache,

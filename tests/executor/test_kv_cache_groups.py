@@ -7,8 +7,8 @@ transformers', through chunked prefill, prefix hits, `n` forks (block copies per
 and preemption. Models with sliding windows (a Mistral, a Qwen2 with full and windowed
 layers) are served with their blocks outside the windows freed, and equal transformers
 past their windows: with a reference attention that keeps each layer to its window
-(`windowed_attention`), and -- once it does (the per-family models) -- with the model
-runner's own attention; until then that test is skipped.
+(`windowed_attention`), and with the model runner's own attention (each layer's window
+passed to the backend, `executor_svc.models`).
 """
 
 from __future__ import annotations

@@ -12,22 +12,30 @@ from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.torch_backend import TorchBackend
 
 
-def reference_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Plain per-sequence causal attention over the paged cache (after this step's writes)."""
+def reference_attention(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None, soft_cap: float | None = None
+) -> torch.Tensor:
+    """Plain per-sequence causal attention over the paged cache (after this step's writes); with a
+    `window`, a query at p sees keys p - window + 1 .. p; `soft_cap` c: scores tanh(s / c) * c."""
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for i, seq_len in enumerate(meta.seq_lens.tolist()):
-        pos = torch.arange(seq_len)
+        query_len = starts[i + 1] - starts[i]
+        pos = torch.arange(0 if window is None else max(seq_len - query_len - window + 1, 0), seq_len)
         slots = meta.block_table[i, pos // block_size].long() * block_size + pos % block_size
         keys = k_cache.flatten(0, 1)[slots].repeat_interleave(group, dim=1)  # [L, H, D]
         values = v_cache.flatten(0, 1)[slots].repeat_interleave(group, dim=1)
         rows = slice(starts[i], starts[i + 1])
-        query_len = starts[i + 1] - starts[i]
         scores = torch.einsum("qhd,khd->hqk", q[rows].double(), keys.double()) * scale
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         q_pos = torch.arange(seq_len - query_len, seq_len)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if window is not None:
+            hidden |= pos[None, None, :] <= q_pos[None, :, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).to(q.dtype)
     return out
 
@@ -104,6 +112,42 @@ def test_matches_reference(case, num_heads, num_kv_heads, head_dim, block_size, 
     torch.testing.assert_close(k_cache.flatten(0, 1)[meta.slot_mapping], k)
     torch.testing.assert_close(v_cache.flatten(0, 1)[meta.slot_mapping], v)
     torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, meta, scale), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+@pytest.mark.parametrize("window", [None, 1, 5, 16])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("case", [1, 3, 4, 5, 7])
+def test_windows_and_soft_caps_match_reference_and_never_read_freed_blocks(case, block_size, window, soft_cap):
+    """A layer with a sliding window (or soft-capped scores) through `windowed.attend`: the
+    reference's outputs; the blocks wholly before each sequence's window hold NaN (freed, reused)
+    and the outputs stay finite."""
+    context_lens, query_lens = CASES[case]
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens)) + 5
+    meta = make_step(context_lens, query_lens, block_size, num_blocks, seed=case)
+    g = torch.Generator().manual_seed(200 + case)
+    num_heads, num_kv_heads, head_dim = 8, 2, 16
+    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    poison = num_blocks  # in no table: a freed block another request now fills
+    k_cache[poison], v_cache[poison] = float("nan"), float("nan")
+    if window is not None:
+        for i, (c, q) in enumerate(zip(context_lens, query_lens)):
+            first_visible = max(c - window + 1, 0)
+            meta.block_table[i, : first_visible // block_size] = poison
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    options = {"sliding_window": window, "logits_soft_cap": soft_cap}
+
+    out = TorchBackend("cpu").forward(q, k, v, k_cache, v_cache, meta, scale, **options)
+
+    torch.testing.assert_close(k_cache.flatten(0, 1)[meta.slot_mapping], k)
+    expected = reference_attention(q, k_cache, v_cache, meta, scale, window, soft_cap)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
 def _brute_force_cost(sorted_lens, block_size):

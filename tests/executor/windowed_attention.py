@@ -23,8 +23,9 @@ class WindowedReferenceAttention:
         self.layer_windows = layer_windows
         self._num_calls = 0
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window=None) -> torch.Tensor:
         window = self.layer_windows[self._num_calls % len(self.layer_windows)]
+        assert sliding_window in (None, window)  # the model's own window, where it passes one
         self._num_calls += 1
         block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
         written = meta.slot_mapping >= 0

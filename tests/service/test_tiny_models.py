@@ -58,3 +58,40 @@ def test_tiny_model_greedy_equals_transformers(kind, tmp_path, default_model_dir
             assert result["outputs"][0]["token_ids"] == hf_greedy(reference, prompt, 20, ignore_eos=True)
         info = svc.wait_all_blocks_free()
         assert all(e.num_free_blocks == e.num_total_blocks for e in info.executors)
+
+
+@pytest.fixture(scope="module")
+def family_references(tmp_path_factory, default_model_dir):
+    """Each family's tiny folder and transformers' greedy tokens for its prompts, before any service starts."""
+    from tests.model_families import WINDOW, build_family, load_reference
+
+    prompts = [[1, 520 + i * 7, 33, 1200 + i, 9, 17 + i, 4000 + 3 * i] * (2 + 3 * i) for i in range(3)]
+    assert max(map(len, prompts)) > 3 * WINDOW
+    references = {}
+    for kind in SERVED_FAMILIES:
+        path = build_family(kind, tmp_path_factory.mktemp(f"served-{kind}"), default_model_dir)
+        reference = load_reference(path)
+        references[kind] = path, [(p, hf_greedy(reference, p, 20, ignore_eos=True)) for p in prompts]
+    return references
+
+
+# llama and qwen2 are served above; these once each, through the real scheduler and executor
+SERVED_FAMILIES = ("mistral", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3")
+
+
+@pytest.mark.parametrize("kind", SERVED_FAMILIES)
+def test_family_served_equals_transformers(kind, family_references):
+    """Three prompts of up to 4 windows at once, in chunks of 16 tokens: transformers' greedy tokens."""
+    path, expected = family_references[kind]
+    with Service(model=str(path), scheduler_args=["--max-num-batched-tokens", "16"]) as svc:
+        with ThreadPoolExecutor(len(expected)) as pool:
+            results = list(
+                pool.map(
+                    lambda item: collect(svc.stub.Generate(greedy_request(prompt_ids=item[0], max_tokens=20, ignore_eos=True), timeout=300)),
+                    expected,
+                )
+            )
+        for (_prompt, tokens), result in zip(expected, results):
+            assert result["outputs"][0]["token_ids"] == tokens
+        info = svc.wait_all_blocks_free()
+        assert all(e.num_free_blocks == e.num_total_blocks for e in info.executors)

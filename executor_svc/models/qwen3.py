@@ -1,0 +1,17 @@
+"""Qwen3: Llama with an RMSNorm over each head of q and k before rotary; sliding layers by `layer_types`."""
+
+from __future__ import annotations
+
+from executor_svc.models import ModelFamily
+from executor_svc.models.hf_config import base_fields, check_activation, rope_fields
+from executor_svc.models.layers import FamilyConfig, FamilyDecoder, weight_target
+
+
+def read_config(hf, architecture: str) -> FamilyConfig:
+    fields = base_fields(hf, architecture)
+    return FamilyConfig(
+        **fields, **rope_fields(hf, fields["head_dim"]), hidden_act=check_activation(hf, "silu"), qk_norm=True
+    )
+
+
+FAMILY = ModelFamily(read_config, FamilyDecoder, weight_target)

@@ -1,0 +1,145 @@
+"""Every supported family (`executor_svc.models`), at the model runner, against transformers.
+
+One tiny random model per family (`tests/model_families.py`), served through the core
+scheduler in float32: a chat prompt and a prompt of several windows, prefilled in chunks of
+8 tokens, 24 tokens generated; then the chat prompt again with more turns, which hits the
+prefix cache. Greedy tokens equal transformers' token for token; every computed row's
+log-probabilities are within 1e-4 of transformers'. The sliding families keep their windows
+in their own KV cache groups, and transformers without the windows gives other tokens on
+these prompts (so the windows are tested). The families transformers reads from GGUF are
+also written as GGUF files and compared with transformers' reading of the same file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.loader import UnsupportedModelError, load_config
+from executor_svc.model_runner import ModelRunner
+from executor_svc.models import SUPPORTED_ARCHITECTURES
+from pagoda.step import SamplingParams
+from scheduler_svc.core import Request, Scheduler, SchedulerConfig
+from tests.executor.plans import run_with_scheduler
+from tests.executor.test_model_runner import hf_greedy
+from tests.model_families import FAMILIES, GGUF_ARCHITECTURES, GGUF_CONFIG, SLIDING, WINDOW, build_family, gguf_model_dir, load_reference, write_gguf
+
+GREEDY = SamplingParams(temperature=0.0)
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, default_model_dir):
+    return {kind: build_family(kind, tmp_path_factory.mktemp(f"family-{kind}"), default_model_dir) for kind in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def prompts(default_tokenizer) -> dict[str, list[int]]:
+    chat = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    chat_ids = default_tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    more = chat + [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"}]
+    more_ids = default_tokenizer.apply_chat_template(more, add_generation_prompt=True, tokenize=True, return_dict=False)
+    long = torch.randint(3, 40000, (4 * WINDOW + 5,), generator=torch.Generator().manual_seed(5)).tolist()
+    return {"chat": list(chat_ids), "long": long, "more": list(more_ids)}
+
+
+def serve_recording_logits(runner: ModelRunner, *batches: list[Request]) -> dict[str, list[torch.Tensor]]:
+    """Serve each batch through the core scheduler (chunks of 8 tokens) once the one before is
+    done; returns each request's logits, one row per computed token, in order."""
+    config = SchedulerConfig(
+        num_blocks=runner.num_kv_blocks,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        kv_cache_groups=runner.kv_cache_groups,
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+    )
+    scheduler = Scheduler(config)
+    rows: dict[str, list[torch.Tensor]] = {}
+
+    def execute(plan):
+        result, logits = runner.execute_with_logits(plan)
+        for req_id, lg in logits.items():
+            rows.setdefault(req_id, []).append(lg)
+        return result
+
+    runner.execute = execute  # (an instance attribute: this runner only)
+    for batch in batches:
+        for request in batch:
+            scheduler.add_requests([request])
+        run_with_scheduler(runner, scheduler)
+    stats = scheduler.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and not runner.requests
+    assert scheduler.num_preemptions == 0
+    return rows
+
+
+def assert_runner_equals_transformers(runner: ModelRunner, reference, prompts) -> None:
+    """The chat and long prompts at once, then the longer chat (a prefix hit): greedy tokens equal
+    transformers'; every computed row's log-probabilities within 1e-4."""
+    first = [Request(name, prompts[name], GREEDY, max_tokens=MAX_TOKENS) for name in ("chat", "long")]
+    again = Request("more", prompts["more"], GREEDY, max_tokens=MAX_TOKENS)
+    rows = serve_recording_logits(runner, first, [again])
+    assert again.num_cached_tokens >= 8  # the chat prompt's blocks (the windowed groups' last ones)
+    for request in (*first, again):
+        expected = hf_greedy(reference, request.prompt_token_ids, MAX_TOKENS)
+        assert len(expected) >= 8, request.req_id
+        assert request.output_token_ids[: len(expected)] == expected, request.req_id
+    for request in first:  # every row computed: the prompt's and each decode's
+        tokens = request.prompt_token_ids + request.output_token_ids
+        ours = torch.cat(rows[request.req_id]).log_softmax(-1)
+        with torch.no_grad():
+            theirs = reference(torch.tensor([tokens[:-1]])).logits[0].float().log_softmax(-1)
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_family_equals_transformers(kind, family_dirs, prompts):
+    model_dir = family_dirs[kind]
+    reference = load_reference(model_dir)
+    runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=160)
+    windows = {g.sliding_window for g in runner.kv_cache_groups}
+    assert windows == ({None, WINDOW} if kind in ("qwen2", "qwen3", "gemma2", "gemma3") else {WINDOW} if kind in SLIDING else {None})
+    assert_runner_equals_transformers(runner, reference, prompts)
+    if kind in SLIDING:
+        unwindowed = load_reference(model_dir, sliding_window=10_000)  # wider than any sequence here
+        assert hf_greedy(unwindowed, prompts["long"], MAX_TOKENS) != hf_greedy(reference, prompts["long"], MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kind", list(GGUF_ARCHITECTURES))
+def test_family_gguf_file_equals_transformers_reading_it(kind, tmp_path, default_model_dir, prompts):
+    """The family as a float32 GGUF file (llama.cpp's naming and layout), read by the runner and by
+    transformers' own GGUF loading: the same tokens and log-probabilities."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, gguf_dir = tmp_path / "hf", tmp_path / "gguf"
+    build_family(kind, hf_dir, default_model_dir, **GGUF_CONFIG.get(kind, {}))
+    path = write_gguf(kind, hf_dir, tmp_path / f"tiny-{kind}.gguf")
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    runner = ModelRunner(gguf_model_dir(path, hf_dir, gguf_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=160)
+    assert runner.config.architecture == load_config(hf_dir).architecture
+    if kind == "gemma2":  # the window survives the file (attention.sliding_window)
+        assert {g.sliding_window for g in runner.kv_cache_groups} == {None, WINDOW}
+    assert_runner_equals_transformers(runner, reference, prompts)
+
+
+def test_every_registered_architecture_has_a_tiny_model(family_dirs):
+    built = {load_config(path).architecture for path in family_dirs.values()}
+    assert built == set(SUPPORTED_ARCHITECTURES)
+
+
+def test_unknown_architecture_is_refused_in_one_line_naming_it_and_the_supported(family_dirs, tmp_path):
+    import json
+    import shutil
+
+    shutil.copy(family_dirs["gemma2"] / "config.json", tmp_path / "config.json")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError) as error:
+        load_config(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and "'FalconForCausalLM'" in message
+    assert all(name in message for name in SUPPORTED_ARCHITECTURES)

@@ -1,0 +1,171 @@
+"""Tiny random models of every supported family, saved as Hugging Face folders for the tests.
+
+`build_family(kind, out_dir, tokenizer_dir)` writes a transformers config of the family (hidden
+64, 4 layers, the default model's vocabulary of 49152), random float32 weights as safetensors
+(every 1-D weight -- norms, biases -- moved off its initial value, so a norm read as `w`
+instead of `1 + w`, or a dropped bias, changes the outputs) and the default model's tokenizer
+files (no hub). The sliding families attend within `WINDOW` tokens, so a prompt of a few
+windows tests them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+WINDOW = 16
+VOCAB = 49152
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3")
+SLIDING = ("mistral", "qwen2", "qwen3", "mixtral", "gemma2", "gemma3")  # families built with windows
+
+
+def tiny_config(kind: str):
+    import transformers as T
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    moe = dict(num_experts_per_tok=2)
+    if kind == "llama":
+        return T.LlamaConfig(**common, tie_word_embeddings=False)
+    if kind == "mistral":  # every layer within the window
+        return T.MistralConfig(**common, sliding_window=WINDOW, tie_word_embeddings=False)
+    if kind == "qwen2":  # layers 0-1 full, 2-3 windowed; q/k/v bias
+        return T.Qwen2Config(**common, use_sliding_window=True, max_window_layers=2, sliding_window=WINDOW,
+                             layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2, tie_word_embeddings=True)
+    if kind == "qwen3":  # q/k norms; layers 0-1 full, 2-3 windowed
+        return T.Qwen3Config(**common, use_sliding_window=True, max_window_layers=2, sliding_window=WINDOW, tie_word_embeddings=True)
+    if kind == "qwen3_moe":  # 4 experts, top 2 not renormalised; layer 1 a dense MLP
+        return T.Qwen3MoeConfig(**common, **moe, num_experts=4, moe_intermediate_size=32, norm_topk_prob=False,
+                                decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False)
+    if kind == "mixtral":  # 4 experts, top 2 (always renormalised), every layer windowed
+        return T.MixtralConfig(**common, **moe, num_local_experts=4, sliding_window=WINDOW, tie_word_embeddings=False)
+    if kind == "phi3":  # merged qkv / gate_up in the checkpoint, half the head rotated
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        return T.Phi3Config(**common, rope_parameters=rope, tie_word_embeddings=False)
+    if kind == "gemma2":  # alternating windowed / full, both soft caps
+        return T.Gemma2Config(**common, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                              final_logit_softcapping=8.0)
+    if kind == "gemma3":  # three windowed layers (local RoPE base) then one full
+        return T.Gemma3TextConfig(**common, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    raise ValueError(kind)
+
+
+def build_family(kind: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, **config_changes) -> Path:
+    """Save a tiny random `kind` model (its config changed by `config_changes`) with the tokenizer
+    of `tokenizer_dir` into `out_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(kind)
+    for name, value in config_changes.items():
+        setattr(config, name, value)
+    torch.manual_seed(seed + FAMILIES.index(kind))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.3)
+    model.save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).exists():
+            shutil.copy(Path(tokenizer_dir) / name, Path(out_dir) / name)
+    return Path(out_dir)
+
+
+def load_reference(model_dir: Path, **config_changes):
+    """transformers' model of the folder, float32, eager attention (the soft caps' reference);
+    `config_changes` (e.g. `sliding_window`) are set on its config first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    for name, value in config_changes.items():
+        setattr(config, name, value)
+    return AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+# GGUF files: the families transformers reads from GGUF (`transformers.integrations.ggml`), with
+# the GGUF architecture name llama.cpp's converter writes
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
+# what a GGUF file cannot say, so that transformers' reading of it keeps the tensors' shapes
+GGUF_CONFIG = {"qwen3": {"head_dim": 128}}  # (transformers' Qwen3 GGUF config takes the default head_dim)
+
+
+def write_gguf(kind: str, model_dir: Path, out_path: Path) -> Path:
+    """The folder's model as a float32 GGUF file, written as llama.cpp's converter does: the `gguf`
+    package's tensor names, q/k rows permuted for "llama", Gemma's norm weights stored as 1 + w.
+    No tokenizer (reading 49152 tokens and their merges from a GGUF file takes seconds each
+    time): `gguf_model_dir` gives the runner the folder's tokenizer files instead."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    arch = GGUF_ARCHITECTURES[kind]
+    config = AutoConfig.from_pretrained(model_dir)
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    w = gguf.GGUFWriter(str(out_path), arch)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(float((config.rope_parameters.get("full_attention") or config.rope_parameters)["rope_theta"]))
+    w.add_vocab_size(config.vocab_size)
+    w.add_rope_dimension_count(config.head_dim)
+    if kind.startswith("gemma"):
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+        w.add_sliding_window(config.sliding_window)
+    w.add_bos_token_id(config.bos_token_id)
+    w.add_eos_token_id(config.eos_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    for name, tensor in tensors.items():
+        data = tensor.float()
+        if kind == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        if kind.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        w.add_tensor(gguf_name, data.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def gguf_model_dir(gguf_path: Path, model_dir: Path, out_dir: Path) -> Path:
+    """What `pagoda.model_files.gguf_metadata_dir` makes of a GGUF file -- transformers' config of
+    it, tokenizer files, the marker naming the file as the weights -- with the tokenizer files
+    of `model_dir` (the file has none)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from pagoda.model_files import GGUF_SOURCE
+
+    AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (Path(model_dir) / name).exists():
+            shutil.copy(Path(model_dir) / name, Path(out_dir) / name)
+    marker = {"file": str(gguf_path.resolve()), "key": gguf_path.stem, "weights": "gguf"}
+    (Path(out_dir) / GGUF_SOURCE).write_text(json.dumps(marker))
+    return Path(out_dir)
