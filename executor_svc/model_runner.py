@@ -145,10 +145,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def resolve_quantization(quantization: str, model_dir: Path, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto": a GGUF file's blocks are kept on a float32 CPU replica, anything else is loaded as it is."""
+    """"auto": a GGUF file's blocks are kept on a float32 or bfloat16 CPU replica, anything else is loaded as it is."""
     if quantization != "auto":
         return quantization
-    keeps = gguf_source(model_dir) is not None and device.type == "cpu" and dtype == torch.float32
+    keeps = gguf_source(model_dir) is not None and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     return "gguf" if keeps else "none"
 
 
