@@ -45,7 +45,10 @@ FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_FUSED_MAX_ROWS", "64"))
 #   rows 1: 2.32 / 0.38   8: 2.36 / 1.45   16: 2.74 / 2.12   24: 2.89 / 3.37   48: 4.33 / 6.66   256: 11.9 / 34.4
 # (float32 dequantize + GEMM at 256 rows: 22.4). Dequantizing into bfloat16 is about 7 % of the
 # GEMM at 256 rows (gate/up: 0.34 of 4.83 ms), so a bfloat16 copy of the weights (about 2.5x the
-# resident weight bytes of the Q4_1 blocks) would buy little. PAGODA_GGUF_BF16_FUSED_MAX_ROWS overrides it for side-by-side runs.
+# resident weight bytes of the Q4_1 blocks) would buy little. A weight of several tiles (the
+# vocabulary-sized LM head: 49152 x 576 Q8_0) costs far more to dequantize per call: it stays on
+# the fused kernel up to FUSED_MAX_ROWS rows (measured there, ms, bfloat16 dequantize + GEMM /
+# fused: rows 16: 43 / 17, 32: 50 / 31, 48: 49 / 52, 64: 59 / 60, 128: 77 / 127). PAGODA_GGUF_BF16_FUSED_MAX_ROWS overrides it for side-by-side runs.
 BF16_FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_BF16_FUSED_MAX_ROWS", "16"))
 
 # The dequantize + GEMM path works a tile of weight rows this large (float32) at a time, in one
@@ -75,6 +78,8 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"packed{i}", packed)
         self.out_features = sum(p.shape[0] for _, p in segments)
         self.register_buffer("bias", bias)
+        one_tile = 4 * self.in_features * self.out_features <= DEQUANT_TILE_BYTES
+        self.bf16_fused_max_rows = BF16_FUSED_MAX_ROWS if one_tile else FUSED_MAX_ROWS
 
     @property
     def segments(self) -> list[tuple[int, torch.Tensor]]:
@@ -102,7 +107,7 @@ class GGUFLinear(nn.Module):
         """bfloat16 in and out: the fused kernel in float32 for few rows, else a bfloat16 GEMM."""
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
-        if x.shape[0] <= BF16_FUSED_MAX_ROWS:
+        if x.shape[0] <= self.bf16_fused_max_rows:
             y = self._fused(x.float().contiguous()).to(torch.bfloat16)
         else:
             y = self._dequantized_gemm_bf16(x.contiguous())
