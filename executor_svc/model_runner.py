@@ -135,6 +135,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on a GPU, float32 on every CPU (AMX or not; `bench/bench_bf16.py` and the
+    README's "--dtype on the CPU" give the measurements behind it)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":

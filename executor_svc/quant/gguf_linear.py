@@ -41,14 +41,15 @@ FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_FUSED_MAX_ROWS", "64"))
 
 # bfloat16 x: above this many rows, dequantize a tile into bfloat16 + a bfloat16 GEMM beats the
 # fused float32 kernel. Measured on an AMD EPYC (AVX-512 BF16, no AMX), one thread, the default
-# model's four layer-0 linears together, ms, bfloat16 dequantize + GEMM / fused (x cast in and out):
-#   rows 1: 2.32 / 0.38   8: 2.36 / 1.45   16: 2.74 / 2.12   24: 2.89 / 3.37   48: 4.33 / 6.66   256: 11.9 / 34.4
-# (float32 dequantize + GEMM at 256 rows: 22.4). Dequantizing into bfloat16 is about 7 % of the
-# GEMM at 256 rows (gate/up: 0.34 of 4.83 ms), so a bfloat16 copy of the weights (about 2.5x the
-# resident weight bytes of the Q4_1 blocks) would buy little. A weight of several tiles (the
-# vocabulary-sized LM head: 49152 x 576 Q8_0) costs far more to dequantize per call: it stays on
-# the fused kernel up to FUSED_MAX_ROWS rows (measured there, ms, bfloat16 dequantize + GEMM /
-# fused: rows 16: 43 / 17, 32: 50 / 31, 48: 49 / 52, 64: 59 / 60, 128: 77 / 127). PAGODA_GGUF_BF16_FUSED_MAX_ROWS overrides it for side-by-side runs.
+# model's four layer-0 linears together, ms, bfloat16 dequantize + GEMM / fused (x cast in, y out):
+#   rows 1: 2.32 / 0.38   8: 2.36 / 1.45   16: 2.74 / 2.12   24: 2.89 / 3.37   48: 4.33 / 6.66
+#   rows 256: 11.9 / 34.4 (float32 dequantize + GEMM: 22.4)
+# Dequantizing into bfloat16 is about 7 % of the GEMM at 256 rows (gate/up: 0.34 of 4.83 ms), so
+# a bfloat16 copy of the weights (256.5 MiB for the default model's kept weights, 2.7x the 94 MiB
+# its blocks take) would buy little. A weight of several tiles (the vocabulary-sized LM head,
+# 49152 x 576 Q8_0) costs far more to dequantize per call and stays fused up to FUSED_MAX_ROWS
+# rows (there, ms: rows 16: 43 / 17, 32: 50 / 31, 48: 49 / 52, 64: 59 / 60, 128: 77 / 127).
+# PAGODA_GGUF_BF16_FUSED_MAX_ROWS overrides it for side-by-side runs.
 BF16_FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_BF16_FUSED_MAX_ROWS", "16"))
 
 # The dequantize + GEMM path works a tile of weight rows this large (float32) at a time, in one

@@ -154,3 +154,20 @@ def test_tiny_models_bf16_match_transformers_bf16(tiny_model_dirs, kind):
     print(f"{kind}: max |logprob - transformers bf16| {diff_bf16:.4f}; transformers bf16 vs fp32 {diff_fp32:.4f}")
     torch.testing.assert_close(ours, theirs[torch.bfloat16], atol=0.05, rtol=0)
     assert diff_bf16 <= diff_fp32  # nearer transformers' bf16 than transformers' bf16 is to its fp32
+
+
+def test_auto_is_float32_on_the_cpu_and_bf16_keeps_gguf_blocks():
+    """`--dtype auto` never picks bfloat16 on a CPU (the exact float32 tests rely on it); asked for,
+    bfloat16 keeps a GGUF model's blocks, float16 is refused with the dtypes that work."""
+    from executor_svc.loader import UnsupportedModelError, load_model
+    from executor_svc.model_runner import resolve_dtype, resolve_quantization
+
+    cpu = torch.device("cpu")
+    gguf_dir = model_files.resolve_model(None, weights=False)
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_quantization("auto", gguf_dir, cpu, torch.bfloat16) == "gguf"
+    assert resolve_quantization("auto", gguf_dir, cpu, torch.float16) == "none"
+    with pytest.raises(UnsupportedModelError, match="float32 or bfloat16, not cpu torch.float16"):
+        load_model(gguf_dir, cpu, torch.float16, "gguf")
+    with pytest.raises(UnsupportedModelError, match="int8' runs on the CPU in float32, not cpu torch.bfloat16"):
+        load_model(gguf_dir, cpu, torch.bfloat16, "int8")
