@@ -44,8 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--quantization",
         default="auto",
         choices=["auto", "none", "gguf", "int8"],
-        help="weights in memory: auto = a .gguf model's blocks kept as they are on a float32 or bfloat16 CPU replica (gguf), "
-        "else as loaded (none); none dequantizes a .gguf model; int8 = 8-bit per-channel (CPU)",
+        help="weights in memory: auto = a .gguf model's blocks kept as they are on a float32 or bfloat16 CPU "
+        "replica (gguf), else as loaded (none); none dequantizes a .gguf model; int8 = 8-bit per-channel (CPU)",
     )
     add_flag(p, "--num-threads", type=int, default=None, help="torch CPU threads (default: one per physical core; idle threads sleep)")
     add_flag(p, "--executor-id", default="", help="default: host-pid-random")

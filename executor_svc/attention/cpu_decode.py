@@ -43,7 +43,7 @@ class CpuDecodeKernel:
     DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64, _c_int64, _c_int64, _c_float, _c_int64, _c_int64]
+        argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, *[_c_int64] * 4, _c_float, _c_int64, _c_int64]
         fns = {torch.float32: library.paged_decode_attention, torch.bfloat16: library.paged_decode_attention_bf16}
         for fn in fns.values():
             fn.argtypes, fn.restype = argtypes, None

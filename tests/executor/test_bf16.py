@@ -129,7 +129,8 @@ def test_default_model_bf16_greedy_follows_transformers_fp32(bf16_runner, defaul
     for req_id, prompt in prompts.items():
         builder.add(req_id, prompt, GREEDY_TOKENS)
     outputs = run_to_completion(bf16_runner, builder)
-    forks = [next((i for i, (a, b) in enumerate(zip(outputs[r], theirs[r])) if a != b), len(theirs[r])) for r in prompts]
+    forks = [next((i for i, (a, b) in enumerate(zip(outputs[r], theirs[r])) if a != b), len(theirs[r]))
+             for r in prompts]
     print(f"bf16 greedy: top-1 on transformers' fp32 greedy paths {agree} of {total}; first forks {forks}")
     assert agree >= 0.90 * total, (agree, total)
     assert sum(f > 0 for f in forks) >= len(PROMPTS) - 1, forks
