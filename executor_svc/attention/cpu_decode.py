@@ -33,13 +33,22 @@ _c_int64, _c_float, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class CpuDecodeKernel:
-    """`kernel(q, k_cache, v_cache, block_table, seq_lens, scale) -> out` for float32 decodes."""
+    """`kernel(q, k_cache, v_cache, block_table, seq_lens, scale) -> out` for float32 or bfloat16 decodes.
+
+    A bfloat16 cache is read as it is (`paged_decode_attention_bf16`); its bfloat16 query is
+    cast to float32 for the call and the output back to bfloat16 (the softmax and the sums are
+    float32 either way, as SDPA's CPU kernels compute them).
+    """
+
+    DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        fn = library.paged_decode_attention
-        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64, _c_int64, _c_int64, _c_float, _c_int64, _c_int64]
-        fn.restype = None
-        self._fn = fn
+        argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, *[_c_int64] * 4, _c_float, _c_int64, _c_int64]
+        fns = {torch.float32: library.paged_decode_attention, torch.bfloat16: library.paged_decode_attention_bf16}
+        for fn in fns.values():
+            fn.argtypes, fn.restype = argtypes, None
+        self._fns = fns
+        self._fn = fns[torch.float32]  # the float32 entry, for callers that run a whole step in C
         self.num_threads = max(1, num_threads)
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="decode-attn") if self.num_threads > 1 else None
 
@@ -54,7 +63,7 @@ class CpuDecodeKernel:
 
     def __call__(
         self,
-        q: torch.Tensor,  # [S, H, D] float32
+        q: torch.Tensor,  # [S, H, D] float32, or bfloat16 with a bfloat16 cache
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         block_table: torch.Tensor,  # [S, cols] int32
@@ -64,9 +73,11 @@ class CpuDecodeKernel:
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        q = q.contiguous()
-        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        dtype = q.dtype
+        assert dtype == k_cache.dtype == v_cache.dtype and dtype in self.DTYPES
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        q = q.float().contiguous()
+        fn = self._fns[dtype]
         assert block_table.dtype == torch.int32 and seq_lens.dtype == torch.int32 and block_table.stride(1) == 1
         out = torch.empty_like(q)
         bounds = work_split if work_split is not None else self.split(seq_lens)
@@ -83,13 +94,13 @@ class CpuDecodeKernel:
         ]
         if self._pool is None or len(calls) == 1:
             for c in calls:
-                self._fn(*c)
+                fn(*c)
         else:
-            others = [self._pool.submit(self._fn, *c) for c in calls[1:]]
-            self._fn(*calls[0])  # this thread's share, while the pool runs the rest
+            others = [self._pool.submit(fn, *c) for c in calls[1:]]
+            fn(*calls[0])  # this thread's share, while the pool runs the rest
             for f in others:
                 f.result()
-        return out
+        return out.to(dtype)
 
     def split(self, seq_lens: torch.Tensor) -> list[int]:
         """Sequence boundaries [0, ..., S] giving each thread about the same number of keys."""

@@ -4,7 +4,7 @@ No Python loop over sequences in the common case. Once per step (the first layer
 new `AttentionMetadata`) the backend derives a `_StepLayout`, reused by every layer, that
 splits the sequences into groups, each attended in one call:
 
-  * decodes (query length 1) on a CPU with a float32 cache: all of them in one call of the
+  * decodes (query length 1) on a CPU with a float32 or bfloat16 cache: all of them in one call of the
     C kernel of `cpu_decode`, which reads K and V in place through the block table (no
     gathered copy, no padding). Elsewhere, or where the kernel cannot be built, SDPA:
 
@@ -103,7 +103,11 @@ class TorchBackend:
         if sliding_window is not None or logits_soft_cap is not None:
             self._write_kv(k, v, k_cache, v_cache, _write_only_layout(meta))
             return windowed.attend(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
-        kernel = self._kernel if k_cache.dtype == q.dtype == torch.float32 and k_cache.device.type == "cpu" else None
+        kernel = (
+            self._kernel
+            if k_cache.dtype == q.dtype and q.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu"
+            else None
+        )
         layout = self._layout_for(meta, k_cache.shape[1], kernel)
         self._write_kv(k, v, k_cache, v_cache, layout)
 

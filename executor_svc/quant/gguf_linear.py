@@ -1,4 +1,4 @@
-"""Linear layers and embeddings whose weight stays in GGUF blocks (CPU, float32 activations).
+"""Linear layers and embeddings whose weight stays in GGUF blocks (CPU, float32 or bfloat16 activations).
 
 A `GGUFLinear` holds its weight as one or more row segments, each a uint8 tensor
 [rows, row_bytes] of one GGML block type (a merged q/k/v projection whose parts were
@@ -13,6 +13,13 @@ rows of x, as measured on this machine (the note of #18):
 Either way the numbers are those of the dequantized weight times x in float32, as
 transformers computes them after dequantizing the same file (only the summation order
 differs).
+
+bfloat16 activations (a `--dtype bfloat16` model) take the same two routes, with another
+threshold (`BF16_FUSED_MAX_ROWS`): few rows go through the fused kernel in float32 (x cast
+in, y cast out: the weight is never rounded); more rows dequantize a tile of the weight
+into float32, round it to bfloat16 (the weight transformers holds after loading the file
+in bfloat16) and multiply in bfloat16 with float32 accumulation (oneDNN). The weight stays
+in its blocks: no bfloat16 copy is kept (see `BF16_FUSED_MAX_ROWS` for the figures).
 """
 
 from __future__ import annotations
@@ -32,18 +39,30 @@ from executor_svc.quant.gguf_kernel import GGUFKernel
 FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_FUSED_MAX_ROWS", "64"))
 
 
+# bfloat16 x: above this many rows, dequantize a tile into bfloat16 + a bfloat16 GEMM beats the
+# fused float32 kernel. Measured on an AMD EPYC (AVX-512 BF16, no AMX), one thread, the default
+# model's four layer-0 linears together, ms, bfloat16 dequantize + GEMM / fused (x cast in, y out):
+#   rows 1: 2.32 / 0.38   8: 2.36 / 1.45   16: 2.74 / 2.12   24: 2.89 / 3.37   48: 4.33 / 6.66
+#   rows 256: 11.9 / 34.4 (float32 dequantize + GEMM: 22.4)
+# Dequantizing into bfloat16 is about 7 % of the GEMM at 256 rows (gate/up: 0.34 of 4.83 ms), so
+# a bfloat16 copy of the weights (256.5 MiB for the default model's kept weights, 2.7x the 94 MiB
+# its blocks take) would buy little. A weight of several tiles (the vocabulary-sized LM head,
+# 49152 x 576 Q8_0) costs far more to dequantize per call and stays fused up to FUSED_MAX_ROWS
+# rows (there, ms: rows 16: 43 / 17, 32: 50 / 31, 48: 49 / 52, 64: 59 / 60, 128: 77 / 127).
+# PAGODA_GGUF_BF16_FUSED_MAX_ROWS overrides it for side-by-side runs.
+BF16_FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_BF16_FUSED_MAX_ROWS", "16"))
+
 # The dequantize + GEMM path works a tile of weight rows this large (float32) at a time, in one
 # buffer that is reused (see GGUFLinear._dequantized_gemm).
 DEQUANT_TILE_BYTES = 16 << 20
-_buffer = torch.empty(0, dtype=torch.float32)
+_buffers = {torch.float32: torch.empty(0, dtype=torch.float32), torch.bfloat16: torch.empty(0, dtype=torch.bfloat16)}
 
 
-def _dequant_buffer(numel: int) -> torch.Tensor:
-    """The process's dequantization buffer, at least `numel` floats (one caller at a time, as the kernel)."""
-    global _buffer
-    if _buffer.numel() < numel:
-        _buffer = torch.empty(numel, dtype=torch.float32)
-    return _buffer
+def _dequant_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The process's dequantization buffer in `dtype`, at least `numel` values (one caller at a time, as the kernel)."""
+    if _buffers[dtype].numel() < numel:
+        _buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return _buffers[dtype]
 
 
 class GGUFLinear(nn.Module):
@@ -60,6 +79,8 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"packed{i}", packed)
         self.out_features = sum(p.shape[0] for _, p in segments)
         self.register_buffer("bias", bias)
+        one_tile = 4 * self.in_features * self.out_features <= DEQUANT_TILE_BYTES
+        self.bf16_fused_max_rows = BF16_FUSED_MAX_ROWS if one_tile else FUSED_MAX_ROWS
 
     @property
     def segments(self) -> list[tuple[int, torch.Tensor]]:
@@ -74,11 +95,23 @@ class GGUFLinear(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:
+            return self._forward_bf16(x)
         if x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS and x.dtype == torch.float32 and x.is_contiguous():
             return self._fused(x)  # a decode step's shape: no reshape, no copy
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).float().contiguous()
         y = self._dequantized_gemm(x) if x.shape[0] > FUSED_MAX_ROWS else self._fused(x)
+        return y.reshape(*lead, self.out_features)
+
+    def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """bfloat16 in and out: the fused kernel in float32 for few rows, else a bfloat16 GEMM."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        if x.shape[0] <= self.bf16_fused_max_rows:
+            y = self._fused(x.float().contiguous()).to(torch.bfloat16)
+        else:
+            y = self._dequantized_gemm_bf16(x.contiguous())
         return y.reshape(*lead, self.out_features)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +157,31 @@ class GGUFLinear(nn.Module):
             y += self.bias
         return y
 
+    def _dequantized_gemm_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bfloat16 @ W.T with W dequantized a tile at a time (float32, then rounded to
+        bfloat16 into a second reused buffer); bfloat16 GEMM with float32 accumulation, bfloat16 out."""
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        rows_per_tile = max(1, DEQUANT_TILE_BYTES // (4 * self.in_features))
+        numel = min(rows_per_tile, self.out_features) * self.in_features
+        buffer, buffer_bf16 = _dequant_buffer(numel), _dequant_buffer(numel, torch.bfloat16)
+        start = 0
+        for ggml_type, packed in self.segments:
+            for n0 in range(0, packed.shape[0], rows_per_tile):
+                tile = packed[n0 : n0 + rows_per_tile]
+                shape = (tile.shape[0], self.in_features)
+                w = buffer[: shape[0] * shape[1]].view(shape)
+                self.kernel.dequantize(ggml_type, tile, self.in_features, out=w)
+                w_bf16 = buffer_bf16[: shape[0] * shape[1]].view(shape)
+                w_bf16.copy_(w)
+                if tile.shape[0] == self.out_features:
+                    torch.mm(x, w_bf16.t(), out=y)
+                else:
+                    y[:, start : start + tile.shape[0]].copy_(torch.mm(x, w_bf16.t()))
+                start += tile.shape[0]
+        if self.bias is not None:
+            y += self.bias
+        return y
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, types={self.types}"
 
@@ -134,12 +192,13 @@ class GGUFEmbedding(nn.Module):
     With tied embeddings the same module is the LM head (`as_linear`): one copy of the blocks.
     """
 
-    def __init__(self, linear: GGUFLinear) -> None:
+    def __init__(self, linear: GGUFLinear, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.linear = linear
+        self.dtype = dtype  # the model's: rows are dequantized in float32, then cast
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.linear.dequantize(input_ids.long().contiguous())
+        return self.linear.dequantize(input_ids.long().contiguous()).to(self.dtype)
 
 
 def packed_rows(parts: list[np.ndarray]) -> torch.Tensor:

@@ -15,8 +15,8 @@ GGUF loading, which the tests compare against:
 With `keep_blocks`, every projection whose parts all have a type the kernel supports
 becomes a `GGUFLinear` (q, k and v become one module with one segment per run of equal
 types); the token embedding becomes a `GGUFEmbedding` and, when tied, the LM head is the
-same blocks. Anything else (F32/F16 tensors, unsupported types) is dequantized into float32
-parameters. No float32 copy of a kept weight is ever made: the projections are swapped out
+same blocks. Anything else (F32/F16 tensors, unsupported types) is dequantized into parameters
+of the model's dtype. No float32 copy of a kept weight is ever made: the projections are swapped out
 while the model is still on the meta device.
 """
 
@@ -143,7 +143,7 @@ def load_gguf_model(
         in_features = int(f.tensors[names[0]].shape[0])  # GGUF shapes are [in, out]
         linear = GGUFLinear(kernel, in_features, _segments(f, names), bias)
         if attr == "embed_tokens":
-            model.embed_tokens = GGUFEmbedding(linear)
+            model.embed_tokens = GGUFEmbedding(linear, dtype)
             if config.tie_word_embeddings:
                 model.lm_head = linear
         else:

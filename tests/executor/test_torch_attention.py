@@ -273,3 +273,29 @@ def test_decode_kernel_thread_split(num_threads):
     one = kernel(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125, work_split=[0, 11])
     torch.testing.assert_close(out, one, atol=0, rtol=0)
     torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, meta, 0.125), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "kernel"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 2, 48)])
+@pytest.mark.parametrize("case", [1, 3, 7, 8])
+def test_bf16_cache_matches_reference(case, num_heads, num_kv_heads, head_dim, decode_kernel):
+    """bfloat16 q, k, v and cache (a `--dtype bfloat16` model): bfloat16 out, within bfloat16 rounding
+    of the float64 reference on the same bfloat16 values; the kernel reads the cache as it is."""
+    context_lens, query_lens = CASES[case]
+    block_size = 16
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens)) + 4
+    meta = make_step(context_lens, query_lens, block_size, num_blocks, seed=case)
+    g = torch.Generator().manual_seed(200 + case)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=g).bfloat16() for _ in range(2))
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g).bfloat16()
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).bfloat16() for _ in range(2))
+    scale = head_dim**-0.5
+
+    out = backend(decode_kernel).forward(q, k, v, k_cache, v_cache, meta, scale)
+
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(k_cache.flatten(0, 1)[meta.slot_mapping], k)
+    expected = reference_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=2**-7)
