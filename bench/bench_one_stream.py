@@ -1,7 +1,7 @@
 """One chat stream and 4 streams, side by side: Pagoda (GGUF blocks kept), Pagoda (float32),
 transformers batch 1, and llama.cpp's server on the same GGUF file.
 
-    nice -n 10 .venv/bin/python bench/bench_one_stream.py [--llama-server PATH] [--rounds 1]
+    nice -n 10 .venv/bin/python bench/bench_one_stream.py [--llama-server PATH] [--rounds 1] [--model FILE.gguf ...]
 
 Every request: the same 64-token prompt, 256 output tokens, greedy, ignore_eos. Reported:
 output tokens/s of one stream (all 256 tokens over the request's wall time, first token
@@ -9,6 +9,9 @@ included) and of 4 concurrent streams (4 x 256 over the wall time of all four), 
 decode rate alone (tokens after the first over the time after the first). Systems run one
 after another in one process run, each after a warm-up request; with `--rounds N` each is
 measured N times (interleaved) and the best is kept, since the machine is shared and noisy.
+`--model` (repeatable; "default" is the default model) measures each GGUF file in turn, every
+system on the same file; the prompt is the default tokenizer's ids (a file whose vocabulary
+holds them, e.g. one made by bench/random_family_gguf.py with that tokenizer).
 
 llama.cpp is a benchmark peer, not a dependency: build `llama-server` from the
 `llama-cpp-python` source package, which vendors llama.cpp (see bench/README.md), and pass
@@ -66,9 +69,14 @@ def _rates(timings: list[Timing], wall_s: float) -> tuple[float, float]:
 
 # ---- the systems -------------------------------------------------------------------------
 
+def gguf_file(model: str | None) -> Path:
+    return model_files.default_gguf_path() if model is None else Path(model)
+
+
 class Pagoda:
-    def __init__(self, quantization: str, threads: int, scheduler_args: list[str]) -> None:
-        self.svc = Service(scheduler_args=scheduler_args, executor_args=["--quantization", quantization, "--num-threads", str(threads)])
+    def __init__(self, quantization: str, threads: int, scheduler_args: list[str], model: str | None = None) -> None:
+        self.svc = Service(model=model, scheduler_args=scheduler_args,
+                           executor_args=["--quantization", quantization, "--num-threads", str(threads)])
 
     def __enter__(self):
         self.svc.start()
@@ -92,10 +100,10 @@ class Pagoda:
 
 
 class LlamaCpp:
-    def __init__(self, binary: str, threads: int) -> None:
+    def __init__(self, binary: str, threads: int, model: str | None = None) -> None:
         self.port = free_port()
         self.cmd = [
-            binary, "-m", str(model_files.default_gguf_path()), "--host", "127.0.0.1", "--port", str(self.port),
+            binary, "-m", str(gguf_file(model)), "--host", "127.0.0.1", "--port", str(self.port),
             "-t", str(threads), "-tb", str(threads), "-np", str(STREAMS), "-c", str(STREAMS * 1024), "--no-webui",
         ]
 
@@ -148,11 +156,12 @@ class LlamaCpp:
 class Transformers:
     """`generate`, batch 1, float32, the model dequantized from the same file."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, model: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_files.resolve_model(None)), dtype=torch.float32).eval()
+        model_dir = str(model_files.resolve_model(model))
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def __enter__(self):
         return self
@@ -193,10 +202,10 @@ class ForwardAlone:
     one request decoded by hand-built plans, no scheduler and no sockets. `one()` reports the time of
     `model(...) + compute_logits` alone per token; `execute_s` keeps each whole `execute` beside it."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, model: str | None = None) -> None:
         from executor_svc.model_runner import ModelRunner
 
-        self.runner = ModelRunner(model_files.resolve_model(None, weights=False), device="cpu", quantization="gguf",
+        self.runner = ModelRunner(model_files.resolve_model(model, weights=False), device="cpu", quantization="gguf",
                                   num_kv_blocks=64, num_threads=threads)
         self.forward_s: list[float] = []
         self.execute_s: list[float] = []
@@ -269,55 +278,67 @@ def main() -> None:
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="path of llama.cpp's llama-server")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--model", action="append", help='a GGUF file or "default" (repeatable)')
     parser.add_argument("--only", default="", help="comma-separated subset of: gguf,fp32,hf,forward,llama.cpp")
     parser.add_argument("--scheduler-args", default="", help='extra scheduler flags, e.g. "--no-async-scheduling"')
     args = parser.parse_args()
     sched = args.scheduler_args.split()
     ids = prompt_ids()
-    systems = {
-        "Pagoda (GGUF blocks)": ("gguf", lambda: Pagoda("gguf", args.threads, sched), True),
-        "Pagoda (float32)": ("fp32", lambda: Pagoda("none", args.threads, sched), True),
-        "transformers batch 1": ("hf", lambda: Transformers(args.threads), False),
-        "forward pass alone (GGUF)": ("forward", lambda: ForwardAlone(args.threads), False),
-    }
-    if args.llama_server:
-        systems["llama.cpp server"] = ("llama.cpp", lambda: LlamaCpp(args.llama_server, args.threads), True)
+    models = [None if m == "default" else m for m in (args.model or ["default"])]
     only = set(filter(None, args.only.split(",")))
-    results: dict[str, dict] = {}
+    results: dict[tuple[str, str], dict] = {}  # (file name, system) -> best row
     for _ in range(args.rounds):
-        for name, (key, make, streams) in systems.items():
-            if only and key not in only:
-                continue
-            try:
-                with make() as system:
-                    row = measure(system, ids, streams)
-                    row["info"] = system.info()
-            except (OSError, TimeoutError) as e:  # a peer that does not start here: say so, measure the rest
-                print(f"{name}: not measured ({e})", flush=True)
-                continue
-            print(f"{name}: one stream {row['one_stream'][0]:.1f} tok/s; {STREAMS} streams {row.get('streams', ('—',))[0]}", flush=True)
-            best = results.setdefault(name, row)
-            for k in ("one_stream", "streams"):
-                if k in row and row[k][0] > best[k][0]:
-                    best[k] = row[k]
+        for model in models:
+            for name, (key, make, streams) in systems(args, sched, model).items():
+                if only and key not in only:
+                    continue
+                try:
+                    with make() as system:
+                        row = measure(system, ids, streams)
+                        row["info"] = system.info()
+                except (OSError, TimeoutError) as e:  # a peer that does not start here: say so, measure the rest
+                    print(f"{name}: not measured ({e})", flush=True)
+                    continue
+                print(f"{gguf_file(model).name} {name}: one stream {row['one_stream'][0]:.1f} tok/s; "
+                      f"{STREAMS} streams {row.get('streams', ('—',))[0]}", flush=True)
+                best = results.setdefault((gguf_file(model).name, name), row)
+                for k in ("one_stream", "streams"):
+                    if k in row and row[k][0] > best[k][0]:
+                        best[k] = row[k]
     print(machine_line(machine_info()))
-    print(f"prompt {PROMPT_LEN} tokens, {OUTPUT_LEN} output tokens, greedy, ignore_eos; best of {args.rounds} round(s); "
-          f"scheduler flags: {args.scheduler_args or '(defaults)'}")
-    base = results.get("llama.cpp server", {}).get("one_stream", (None,))[0]
+    print(f"prompt {PROMPT_LEN} tokens, {OUTPUT_LEN} output tokens, greedy, ignore_eos; {args.threads} threads each; "
+          f"best of {args.rounds} round(s); scheduler flags: {args.scheduler_args or '(defaults)'}")
     rows = []
-    for name, r in results.items():
+    for (file, name), r in results.items():
+        base = results.get((file, "llama.cpp server"), {})
         one_total, one_decode = r["one_stream"]
         many = r.get("streams")
+        ratio = lambda ours, k: f"{ours / base[k][0]:.2f}x" if base.get(k) and ours else "—"  # noqa: E731
         rows.append([
-            name, f"{one_total:.1f}", f"{one_decode:.1f}", f"{many[0]:.1f}" if many else "—",
-            f"{one_total / base:.2f}x" if base else "—", r["info"],
+            file, name, f"{one_total:.1f}", f"{one_decode:.1f}", f"{many[0]:.1f}" if many else "—",
+            ratio(one_total, "one_stream"), ratio(many[0] if many else None, "streams"), r["info"],
         ])
-    print(format_table(["system", "1 stream tok/s", "1 stream decode tok/s", f"{STREAMS} streams tok/s", "1 stream vs llama.cpp", "weights"], rows))
-    floor = results.get("forward pass alone (GGUF)", {}).get("one_stream", (None, None))[1]
-    served = results.get("Pagoda (GGUF blocks)", {}).get("one_stream", (None, None))[1]
-    if floor and served:
-        print(f"step overhead, one stream: a served decode step takes {floor / served:.3f}x the forward pass alone "
-              f"({1e3 / served:.2f} vs {1e3 / floor:.2f} ms per token)")
+    print(format_table(["file", "system", "1 stream tok/s", "1 stream decode tok/s", f"{STREAMS} streams tok/s",
+                        "1 stream vs llama.cpp", f"{STREAMS} streams vs llama.cpp", "weights"], rows))
+    for file in dict.fromkeys(f for f, _ in results):
+        floor = results.get((file, "forward pass alone (GGUF)"), {}).get("one_stream", (None, None))[1]
+        served = results.get((file, "Pagoda (GGUF blocks)"), {}).get("one_stream", (None, None))[1]
+        if floor and served:
+            print(f"{file}: step overhead, one stream: a served decode step takes {floor / served:.3f}x the "
+                  f"forward pass alone ({1e3 / served:.2f} vs {1e3 / floor:.2f} ms per token)")
+
+
+def systems(args, sched: list[str], model: str | None) -> dict:
+    """name -> (--only key, a function making the system, whether 4 streams are measured too)."""
+    found = {
+        "Pagoda (GGUF blocks)": ("gguf", lambda: Pagoda("gguf", args.threads, sched, model), True),
+        "Pagoda (float32)": ("fp32", lambda: Pagoda("none", args.threads, sched, model), True),
+        "transformers batch 1": ("hf", lambda: Transformers(args.threads, model), False),
+        "forward pass alone (GGUF)": ("forward", lambda: ForwardAlone(args.threads, model), False),
+    }
+    if args.llama_server:
+        found["llama.cpp server"] = ("llama.cpp", lambda: LlamaCpp(args.llama_server, args.threads, model), True)
+    return found
 
 
 if __name__ == "__main__":

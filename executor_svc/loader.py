@@ -4,9 +4,9 @@ Only the config is read through transformers (`AutoConfig`, local directory, no 
 weights are streamed tensor by tensor from safetensors straight into the model's
 parameters, on the target device and dtype. No transformers model is instantiated.
 A directory that stands for a GGUF file (`pagoda.model_files.gguf_source`), or the file
-itself, is read by `executor_svc.quant.gguf_loader`: its blocks kept (`quantization="gguf"`)
-or dequantized as transformers does (`"none"`). `"int8"` then requantizes every linear layer
-(`executor_svc.quant.int8_linear`).
+itself, is read by `executor_svc.quant.gguf_loader` (Llama family) or `executor_svc.models.gguf`
+(the others): its blocks kept (`quantization="gguf"`) or dequantized as transformers does
+(`"none"`). `"int8"` then requantizes every linear layer (`executor_svc.quant.int8_linear`).
 
 Supported: the families of `executor_svc.models` (`SUPPORTED_ARCHITECTURES`), each reading
 its config and placing its tensors; RoPE types whose inverse frequencies do not depend on
@@ -107,10 +107,10 @@ def load_model(
 
         shards = TensorShards(config, tp.rank, tp.size)  # refuses a model that does not split
         config, read = shards.local_config, shards.read
-    if gguf_file is not None and not llama_family:  # dequantized: no blocks kept (executor_svc.models.gguf)
+    if gguf_file is not None and not llama_family:
         from executor_svc.models.gguf import load_family_gguf
 
-        model = load_family_gguf(gguf_file, config, device, dtype)
+        model = load_family_gguf(gguf_file, config, device, dtype, keep_blocks=quantization == "gguf")
     elif gguf_file is not None:
         from executor_svc.quant.gguf_loader import load_gguf_model
 

@@ -103,11 +103,16 @@ def load_reference(model_dir: Path, **config_changes):
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
 # what a GGUF file cannot say, so that transformers' reading of it keeps the tensors' shapes
 GGUF_CONFIG = {"qwen3": {"head_dim": 128}}  # (transformers' Qwen3 GGUF config takes the default head_dim)
+# the block type of each 2-D GGUF tensor (the rest, norms and biases, float32): q/k and v of two
+# types (a merged projection of two segments), a type of its own for the embedding and the head
+GGUF_TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_1", "attn_qkv": "Q8_0", "attn_output": "Q5_0",
+              "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "ffn_down": "Q4_0", "token_embd": "Q8_0", "output": "Q4_1"}
 
 
 def write_gguf(kind: str, model_dir: Path, out_path: Path) -> Path:
-    """The folder's model as a float32 GGUF file, written as llama.cpp's converter does: the `gguf`
-    package's tensor names, q/k rows permuted for "llama", Gemma's norm weights stored as 1 + w.
+    """The folder's model as a GGUF file, written as llama.cpp's converter does: the `gguf` package's
+    tensor names, q/k rows permuted for "llama", Gemma's norm weights stored as 1 + w, every 2-D
+    weight quantized by the `gguf` package to its type of `GGUF_TYPES`, the rest float32.
     No tokenizer (reading 49152 tokens and their merges from a GGUF file takes seconds each
     time): `gguf_model_dir` gives the runner the folder's tokenizer files instead."""
     import gguf
@@ -144,7 +149,12 @@ def write_gguf(kind: str, model_dir: Path, out_path: Path) -> Path:
             data = data + 1
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        w.add_tensor(gguf_name, data.numpy())
+        kind_of = gguf_name.removesuffix(".weight").rpartition(".")[2] if data.ndim == 2 else None
+        if kind_of in GGUF_TYPES:
+            qtype = gguf.GGMLQuantizationType[GGUF_TYPES[kind_of]]
+            w.add_tensor(gguf_name, gguf.quants.quantize(data.numpy(), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, data.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,18 +1,20 @@
 """A GGUF file of a non-Llama family (Qwen3, Phi-3, Gemma 2, Gemma 3) into a `FamilyDecoder`.
 
-Llama-family files (llama, mistral, qwen2) keep going through `executor_svc.quant.gguf_loader`
-(blocks kept, the CPU decode path). Here every tensor is dequantized (the `gguf` package's
-`dequantize`, as transformers' own GGUF loading) and renamed to its Hugging Face name, then
-placed by the safetensors loader's `fill_parameters`. What follows llama.cpp's converter, as
-transformers undoes it:
+Llama-family files (llama, mistral, qwen2) go through `executor_svc.quant.gguf_loader` (and the
+CPU decode path). Here, as there, with `keep_blocks` every projection whose parts all have a
+type the kernel supports becomes a `GGUFLinear` (q/k/v one module, a segment per run of equal
+types; Phi-3's `attn_qkv` and gate/up `ffn_up` as stored), the token embedding a
+`GGUFEmbedding` (rows dequantized as looked up) and, when tied, the LM head is the same blocks.
+Everything else -- norms, F32/F16 tensors, unsupported types, or all of it without
+`keep_blocks` -- is dequantized (the `gguf` package's `dequantize`, as transformers' own GGUF
+loading) into float parameters by its Hugging Face name, placed by the safetensors loader's
+`fill_parameters`. What follows llama.cpp's converter, as transformers undoes it:
 
 - Gemma's norm weights are stored as 1 + w (llama.cpp adds the 1): 1 is subtracted;
 - Gemma's `ffn_norm` is the norm before the MLP, `post_attention_norm` / `post_ffw_norm` the
   norms after attention and the MLP; elsewhere `ffn_norm` is Llama's post-attention norm;
 - Phi-3's `attn_qkv` and `ffn_up` are the merged projections as its checkpoint stores them;
-- no q/k row permutation (llama.cpp permutes "llama" files only).
-
-Nothing is kept in blocks: a model of these families loads as quantization "none".
+- no q/k row permutation (llama.cpp permutes "llama" files only), so block rows are kept as stored.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
+
+from executor_svc.quant.gguf_linear import GGUFEmbedding, GGUFLinear, packed_rows
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +57,23 @@ _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "out
 _IGNORED = ("rope_freqs.weight",)
 
 
-def hf_tensors(path: Path) -> Iterator[tuple[str, str, object]]:
-    """(where, Hugging Face name, read) for every weight of the file (see `loader.fill_parameters`)."""
+_FLOAT_TYPES = (0, 1)  # F32, F16: read as float parameters
+
+
+def projections(arch: str) -> dict[tuple[str, str], tuple[str, ...]]:
+    """(a layer's submodule, its projection) -> the GGUF tensors of the layer whose rows it stacks."""
+    phi3 = arch == "phi3"
+    return {
+        ("self_attn", "qkv_proj"): ("attn_qkv",) if phi3 else ("attn_q", "attn_k", "attn_v"),
+        ("self_attn", "o_proj"): ("attn_output",),
+        ("mlp", "gate_up_proj"): ("ffn_up",) if phi3 else ("ffn_gate", "ffn_up"),
+        ("mlp", "down_proj"): ("ffn_down",),
+    }
+
+
+def read_gguf(path: Path):
+    """(the file's reader, its architecture); an architecture not of `ARCHITECTURES` is refused."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     from executor_svc.loader import UnsupportedModelError
 
@@ -64,19 +82,24 @@ def hf_tensors(path: Path) -> Iterator[tuple[str, str, object]]:
     arch = bytes(field.parts[field.data[0]]).decode()
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(f"{path.name}: GGUF architecture {arch!r} (expected one of {ARCHITECTURES})")
+    return reader, arch
+
+
+def hf_tensors(path: Path, reader, arch: str, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, str, object]]:
+    """(where, Hugging Face name, read) for every weight of the file not in `skip` (see `loader.fill_parameters`)."""
+    from executor_svc.loader import UnsupportedModelError
+
     gemma = arch.startswith("gemma")
     layer_names = {**_LAYER, **(_GEMMA_LAYER if gemma else {})}
     if arch == "phi3":
         layer_names["ffn_up"] = "mlp.gate_up_proj"
 
     def values(t) -> torch.Tensor:
-        data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy: the file is mapped read-only
-        if gemma and t.name.endswith("norm.weight"):
-            data = data - 1.0
-        return torch.from_numpy(data)
+        data = _floats(t)
+        return data - 1.0 if gemma and t.name.endswith("norm.weight") else data
 
     for t in reader.tensors:
-        if t.name in _IGNORED:
+        if t.name in _IGNORED or t.name in skip:
             continue
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
@@ -89,15 +112,81 @@ def hf_tensors(path: Path) -> Iterator[tuple[str, str, object]]:
             raise UnsupportedModelError(f"GGUF tensor {t.name} has no place in a {arch} model")
 
 
-def load_family_gguf(path: Path, config, device: torch.device, dtype: torch.dtype):
-    """The family's model on `device` in `dtype`, filled from the GGUF file (all dequantized)."""
+def load_family_gguf(path: Path, config, device: torch.device, dtype: torch.dtype, keep_blocks: bool = False):
+    """The family's model on `device` in `dtype`, filled from the GGUF file: with `keep_blocks` (CPU,
+    float32) its projections, embedding and LM head in their blocks where the kernel takes them, the
+    rest (all of it without) dequantized."""
     from executor_svc.loader import fill_parameters, weight_bytes
     from executor_svc.models import family
+    from executor_svc.quant.gguf_kernel import get_kernel
+
+    reader, arch = read_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    kernel = get_kernel() if keep_blocks else None
+    if keep_blocks and kernel is None:
+        log.warning("%s: no GGUF kernel here: weights dequantized to float32", path)
+
+    def can_keep(name: str) -> bool:
+        t = tensors.get(name)
+        ggml_type = None if t is None else int(t.tensor_type)
+        return ggml_type is not None and ggml_type not in _FLOAT_TYPES and kernel.supports(ggml_type, int(t.shape[0]))
 
     with torch.device("meta"):
         model = family(config.architecture).build(config, dtype=dtype)
+    kept: dict[tuple[nn.Module, str], list[str]] = {}  # (owner, attribute) -> its GGUF tensors
+    if kernel is not None:
+        for i, layer in enumerate(model.layers):
+            for (sub, attr), parts in projections(arch).items():
+                owner = getattr(layer, sub)
+                names = [f"blk.{i}.{p}.weight" for p in parts]
+                if isinstance(getattr(owner, attr, None), nn.Linear) and all(can_keep(n) for n in names):
+                    kept[(owner, attr)] = names
+                    setattr(owner, attr, nn.Identity())  # placeholder: no float weight is allocated
+        if can_keep("token_embd.weight"):
+            kept[(model, "embed_tokens")] = ["token_embd.weight"]
+            model.embed_tokens = nn.Identity()
+        if not config.tie_word_embeddings and can_keep("output.weight"):
+            kept[(model, "lm_head")] = ["output.weight"]
+            model.lm_head = nn.Identity()
     model = model.to_empty(device=device)
     model.init_buffers()
-    fill_parameters(model, hf_tensors(path), str(path))
-    log.info("%s: %s, dequantized, %.1f MiB resident", path.name, config.architecture, weight_bytes(model) / 2**20)
+    consumed: set[str] = set()
+    for (owner, attr), names in kept.items():
+        biases = [n.removesuffix(".weight") + ".bias" for n in names]
+        bias = None
+        if all(b in tensors for b in biases):
+            bias = torch.cat([_floats(tensors[b]) for b in biases])
+            consumed.update(biases)
+        linear = GGUFLinear(kernel, int(tensors[names[0]].shape[0]), segments([tensors[n] for n in names]), bias)
+        if attr == "embed_tokens":
+            model.embed_tokens = GGUFEmbedding(linear)
+            if config.tie_word_embeddings:
+                model.lm_head = linear  # the same blocks (FamilyDecoder reads lm_head when it is set)
+        else:
+            setattr(owner, attr, linear)
+        consumed.update(names)
+    fill_parameters(model, hf_tensors(path, reader, arch, frozenset(consumed)), str(path))
+    log.info(
+        "%s: %s, %d of %d weights kept in GGUF blocks, %.1f MiB resident",
+        path.name, config.architecture, len(consumed), len(tensors), weight_bytes(model) / 2**20,
+    )
     return model
+
+
+def _floats(t) -> torch.Tensor:
+    """The tensor dequantized into float32, a copy (the file is mapped read-only)."""
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+
+
+def segments(parts: list) -> list[tuple[int, torch.Tensor]]:
+    """One (type, rows) segment per run of GGUF tensors of equal types, each copied once into its own tensor."""
+    runs: list[tuple[int, list[np.ndarray]]] = []
+    for t in parts:
+        rows = t.data.reshape(t.data.shape[0], -1)  # [out, row_bytes] blocks, as stored
+        if runs and runs[-1][0] == int(t.tensor_type):
+            runs[-1][1].append(rows)
+        else:
+            runs.append((int(t.tensor_type), [rows]))
+    return [(ggml_type, packed_rows(rows)) for ggml_type, rows in runs]

@@ -16,12 +16,16 @@ import pytest
 import torch
 
 from executor_svc.loader import UnsupportedModelError, load_config
+from executor_svc.model import PackedLinear
 from executor_svc.model_runner import ModelRunner
 from executor_svc.models import SUPPORTED_ARCHITECTURES
+from executor_svc.quant.gguf_kernel import get_kernel
+from executor_svc.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 from pagoda.step import SamplingParams
 from scheduler_svc.core import Request, Scheduler, SchedulerConfig
 from tests.executor.plans import run_with_scheduler
 from tests.executor.test_model_runner import hf_greedy
+from tests.gguf_blocks import T
 from tests.model_families import FAMILIES, GGUF_ARCHITECTURES, GGUF_CONFIG, SLIDING, WINDOW, build_family, gguf_model_dir, load_reference, write_gguf
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -108,7 +112,8 @@ def test_family_equals_transformers(kind, family_dirs, prompts):
 
 @pytest.mark.parametrize("kind", list(GGUF_ARCHITECTURES))
 def test_family_gguf_file_equals_transformers_reading_it(kind, tmp_path, default_model_dir, prompts):
-    """The family as a float32 GGUF file (llama.cpp's naming and layout), read by the runner and by
+    """The family as a GGUF file of quantized blocks (llama.cpp's naming and layout), read by the
+    runner -- every projection, the embedding and the LM head kept in their blocks -- and by
     transformers' own GGUF loading: the same tokens and log-probabilities."""
     from transformers import AutoModelForCausalLM
 
@@ -120,9 +125,23 @@ def test_family_gguf_file_equals_transformers_reading_it(kind, tmp_path, default
     ).eval()
     runner = ModelRunner(gguf_model_dir(path, hf_dir, gguf_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=160)
     assert runner.config.architecture == load_config(hf_dir).architecture
+    if get_kernel() is not None:
+        assert runner.quantization == "gguf"
+        assert_blocks_kept(runner.model, merged=kind == "phi3")
     if kind == "gemma2":  # the window survives the file (attention.sliding_window)
         assert {g.sliding_window for g in runner.kv_cache_groups} == {None, WINDOW}
     assert_runner_equals_transformers(runner, reference, prompts)
+
+
+def assert_blocks_kept(model, merged: bool) -> None:
+    """Every linear of the model is a `GGUFLinear` of the file's types (`GGUF_TYPES`), the embedding a
+    `GGUFEmbedding`; q/k/v one module of a Q8_0 and a Q4_1 segment (`merged`: Phi-3's one Q8_0 tensor)."""
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, GGUFLinear))]
+    assert linears and all(isinstance(m, GGUFLinear) for m in linears), [type(m).__name__ for m in linears]
+    assert isinstance(model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
+    qkv = [m for name, m in model.named_modules() if name.endswith("qkv_proj")]
+    types = [T.Q8_0] if merged else [T.Q8_0, T.Q4_1]
+    assert len(qkv) == model.config.num_layers and all(m.types == types for m in qkv)
 
 
 def test_every_registered_architecture_has_a_tiny_model(family_dirs):
