@@ -99,7 +99,11 @@ class TorchBackend:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """`sliding_window` / `logits_soft_cap`: such a layer goes through `windowed.attend`."""
+        """`sliding_window` / `logits_soft_cap`: such a layer goes through `windowed.attend`, but a
+        window that holds every sequence's whole context (no key falls out of it, so no block
+        has been freed) is full attention, on the fast path."""
+        if sliding_window is not None and meta.max_seq_len <= sliding_window:
+            sliding_window = None
         if sliding_window is not None or logits_soft_cap is not None:
             self._write_kv(k, v, k_cache, v_cache, _write_only_layout(meta))
             return windowed.attend(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)

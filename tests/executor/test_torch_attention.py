@@ -150,6 +150,32 @@ def test_windows_and_soft_caps_match_reference_and_never_read_freed_blocks(case,
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("over", [-2, -1, 0, 1, 2])  # the longest sequence's length minus the window
+@pytest.mark.parametrize("query_len", [1, 6])
+def test_a_window_that_holds_every_context_is_full_attention_and_one_key_past_it_is_not(over, query_len):
+    """While every sequence fits its window the layer takes the fast path; one key more and the
+    window applies again (the reference's outputs either way)."""
+    window, block_size = 12, 5
+    context_lens = [window + over - query_len, 3]
+    query_lens = [query_len, 1]
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens)) + 3
+    meta = make_step(context_lens, query_lens, block_size, num_blocks, seed=7)
+    g = torch.Generator().manual_seed(300)
+    shape = (num_blocks, block_size, 2, 16)
+    k_cache, v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    q = torch.randn(sum(query_lens), 4, 16, generator=g)
+    k = torch.randn(sum(query_lens), 2, 16, generator=g)
+    v = torch.randn(sum(query_lens), 2, 16, generator=g)
+
+    out = TorchBackend("cpu").forward(q, k, v, k_cache, v_cache, meta, 0.25, sliding_window=window)
+
+    expected = reference_attention(q, k_cache, v_cache, meta, 0.25, window, None)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+    if over > 0:  # a key fell out of the window: full attention differs
+        full = reference_attention(q, k_cache, v_cache, meta, 0.25, None, None)
+        assert not torch.allclose(out, full, atol=1e-4)
+
+
 def _brute_force_cost(sorted_lens, block_size):
     """Least padded tokens + call cost over every way to cut the list into contiguous buckets."""
     from itertools import combinations
