@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from executor_svc.quant.gguf_linear import GGUFEmbedding, GGUFLinear, packed_rows
+from executor_svc.quant.gguf_linear import GGUFLinear, install_kept, packed_rows
 
 log = logging.getLogger(__name__)
 
@@ -150,21 +150,15 @@ def load_family_gguf(path: Path, config, device: torch.device, dtype: torch.dtyp
             model.lm_head = nn.Identity()
     model = model.to_empty(device=device)
     model.init_buffers()
-    consumed: set[str] = set()
-    for (owner, attr), names in kept.items():
+    def linear_of(names: list[str]) -> tuple[GGUFLinear, list[str]]:
         biases = [n.removesuffix(".weight") + ".bias" for n in names]
-        bias = None
-        if all(b in tensors for b in biases):
-            bias = torch.cat([_floats(tensors[b]) for b in biases])
-            consumed.update(biases)
-        linear = GGUFLinear(kernel, int(tensors[names[0]].shape[0]), segments([tensors[n] for n in names]), bias)
-        if attr == "embed_tokens":
-            model.embed_tokens = GGUFEmbedding(linear)
-            if config.tie_word_embeddings:
-                model.lm_head = linear  # the same blocks (FamilyDecoder reads lm_head when it is set)
-        else:
-            setattr(owner, attr, linear)
-        consumed.update(names)
+        has_bias = all(b in tensors for b in biases)
+        bias = torch.cat([_floats(tensors[b]) for b in biases]) if has_bias else None
+        in_features = int(tensors[names[0]].shape[0])
+        return GGUFLinear(kernel, in_features, segments([tensors[n] for n in names]), bias), names + (biases if has_bias else [])
+
+    # FamilyDecoder reads lm_head when it is set: a tied head is the embedding's blocks
+    consumed = install_kept(model, kept, linear_of, config.tie_word_embeddings, dtype)
     fill_parameters(model, hf_tensors(path, reader, arch, frozenset(consumed)), str(path))
     log.info(
         "%s: %s, %d of %d weights kept in GGUF blocks, %.1f MiB resident",

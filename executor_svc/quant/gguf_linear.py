@@ -209,3 +209,21 @@ def packed_rows(parts: list[np.ndarray]) -> torch.Tensor:
         out[start : start + part.shape[0]] = torch.from_numpy(np.ascontiguousarray(part).view(np.uint8))
         start += part.shape[0]
     return out
+
+
+def install_kept(model: nn.Module, kept: dict, linear_of, tie_word_embeddings: bool,
+                 dtype: torch.dtype = torch.float32) -> set[str]:
+    """Put `linear_of(names)` -> (GGUFLinear, the GGUF tensors it used) where each placeholder of
+    `kept` ({(owner, attribute): GGUF weight names}) stands; `embed_tokens` becomes a GGUFEmbedding
+    and, with tied embeddings, the LM head the same blocks. Returns every tensor name used."""
+    consumed: set[str] = set()
+    for (owner, attr), names in kept.items():
+        linear, used = linear_of(names)
+        if attr == "embed_tokens":
+            model.embed_tokens = GGUFEmbedding(linear, dtype)
+            if tie_word_embeddings:
+                model.lm_head = linear
+        else:
+            setattr(owner, attr, linear)
+        consumed.update(used)
+    return consumed

@@ -34,7 +34,7 @@ from executor_svc.loader import UnsupportedModelError, fill_parameters, weight_b
 from executor_svc.model import ModelConfig
 from executor_svc.model import DecoderModel
 from executor_svc.quant.gguf_kernel import get_kernel
-from executor_svc.quant.gguf_linear import GGUFEmbedding, GGUFLinear, packed_rows
+from executor_svc.quant.gguf_linear import GGUFLinear, install_kept, packed_rows
 
 log = logging.getLogger(__name__)
 
@@ -133,22 +133,14 @@ def load_gguf_model(
             model.lm_head = nn.Identity()
     model = model.to_empty(device=device)
     model.init_buffers()
-    consumed: set[str] = set()
-    for (owner, attr), names in kept.items():
+    def linear_of(names: list[str]) -> tuple[GGUFLinear, list[str]]:
         biases = [n.removesuffix(".weight") + ".bias" for n in names]
-        bias = None
-        if all(b in f.tensors for b in biases):
-            bias = torch.cat([f.dequantized(b) for b in biases])
-            consumed.update(biases)
+        has_bias = all(b in f.tensors for b in biases)
+        bias = torch.cat([f.dequantized(b) for b in biases]) if has_bias else None
         in_features = int(f.tensors[names[0]].shape[0])  # GGUF shapes are [in, out]
-        linear = GGUFLinear(kernel, in_features, _segments(f, names), bias)
-        if attr == "embed_tokens":
-            model.embed_tokens = GGUFEmbedding(linear, dtype)
-            if config.tie_word_embeddings:
-                model.lm_head = linear
-        else:
-            setattr(owner, attr, linear)
-        consumed.update(names)
+        return GGUFLinear(kernel, in_features, _segments(f, names), bias), names + (biases if has_bias else [])
+
+    consumed = install_kept(model, kept, linear_of, config.tie_word_embeddings, dtype)
 
     def tensors() -> Iterator[tuple[str, str, object]]:
         for name in f.tensors:
