@@ -201,8 +201,8 @@ def main() -> None:
     r32, r16 = runners[torch.float32], runners[torch.bfloat16]
     print(f"model {model_dir.name}: weights {r32.quantization} {r32.weight_bytes / 2**20:.1f} MiB (fp32) / "
           f"{r16.quantization} {r16.weight_bytes / 2**20:.1f} MiB (bf16); a bf16 copy of the kept weights would be "
-          f"{_bf16_copy_bytes(r16) / 2**20:.1f} MiB; C decode path: fp32 {r32.model.decode_path is not None}, "
-          f"bf16 {r16.model.decode_path is not None}")
+          f"{_bf16_copy_bytes(r16) / 2**20:.1f} MiB; C decode path: fp32 {r32.backend.decode_step is not None}, "
+          f"bf16 {r16.backend.decode_step is not None}")
     rows = []
     headers = ["measurement", "float32 (ms)", "bfloat16 (ms)", "bf16 speedup"]
     if "linears" in parts:

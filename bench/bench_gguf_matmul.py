@@ -120,7 +120,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     kernel = get_kernel()
     if kernel is None:
-        print("no GGUF kernel (no C compiler, or PAGODA_GGUF_KERNEL=0)", file=sys.stderr)
+        print("no GGUF kernel (no C compiler)", file=sys.stderr)
         return 2
     mixed = Path(args.mixed) if args.mixed else assembled_mixed_file()
     baseline = Path(args.baseline) if args.baseline else default_gguf_path()

@@ -100,6 +100,14 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     except OSError as exc:
         raise StartupError(f"cannot read the model {args.model or '(default)'}: {exc} (--model)") from None
 
+    from executor_svc.backend import BackendOptions
+
+    try:  # the one place the PAGODA_* execution switches are read (bench/README.md)
+        backend = BackendOptions.from_env(attention=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
+    except ValueError as exc:
+        raise StartupError(f"backend options: {exc}") from None
+    logging.getLogger(__name__).info("backend options: %s", backend.describe())
+
     def runner_options(config, device: str) -> dict:
         """The ModelRunner's keyword arguments (on `device`) once the scheduler's config is known."""
         if device == "cpu":
@@ -122,6 +130,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             max_num_batched_tokens=config.max_num_batched_tokens,
             quantization=args.quantization,
+            backend=backend,
         )
 
     def make_runner(config):

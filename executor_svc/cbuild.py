@@ -90,11 +90,10 @@ def build(source: Path, cflags: tuple[str, ...], compiler: str, libs: tuple[str,
     return target
 
 
-def load(source: Path, cflags: tuple[str, ...], env_switch: str, what: str, libs: tuple[str, ...] = ("-lm",)) -> ctypes.CDLL | None:
-    """`source` built and loaded, or None (switched off, no compiler, build failed: logged as `what`)."""
-    if os.environ.get(env_switch, "1") == "0":
-        log.info("%s off (%s=0)", what, env_switch)
-        return None
+def load(source: Path, cflags: tuple[str, ...], what: str, libs: tuple[str, ...] = ("-lm",)) -> ctypes.CDLL | None:
+    """`source` built and loaded, or None (no compiler, build failed: logged as `what`).
+
+    Whether to use it at all is the caller's choice (`executor_svc.backend.BackendOptions`)."""
     compiler = find_compiler()
     if compiler is None:
         log.info("no C compiler found: no %s", what)

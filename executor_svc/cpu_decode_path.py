@@ -11,33 +11,35 @@ default model. Here each layer is ten ctypes calls on buffers allocated once per
 The C functions are the ones the module path calls (`csrc/cpu_ops.c`, the GGUF kernel, the
 decode-attention kernel), in the same order on the same values, so the hidden states are the
 same to the bit (tests/executor/test_cpu_decode_path.py). It takes a step only when every
-token is a decode, at most `MAX_ROWS` of them, and every slot is written; any other step
+token is a decode, at most `max_rows` of them (the GGUF linears' fused-kernel threshold: above
+it they dequantize into a GEMM), and every slot is written; any other step
 goes through the modules. The attention of a step with many keys is split over the torch
 threads, as the module path does (`ONE_THREAD_KEYS`).
+
+It is `executor_svc.backend.Backend`'s decode step, built from public handles: the GGUF
+kernel's `matmul_fn`, the decode-attention kernel's `c_function`, the attention backend's
+`step_layout` and the C ops' library.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from executor_svc.attention.torch_backend import TorchBackend
-from executor_svc.fused_ops import cpu_ops_library
 from executor_svc.model import DecoderModel
-from executor_svc.quant.gguf_linear import FUSED_MAX_ROWS, GGUFLinear
+from executor_svc.quant.gguf_linear import GGUFLinear
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = FUSED_MAX_ROWS  # above it, GGUFLinear dequantizes into a GEMM: the module path
 # Up to this many keys attended in a step (all sequences together) the attention runs on the
 # calling thread, one ctypes call; above it, through the kernel's wrapper, which splits the
 # sequences over the torch threads (about 15 us more a layer, less than one thread's extra time).
 ONE_THREAD_KEYS = 2048
 F32 = 4  # bytes
-ENV_SWITCH = "PAGODA_CPU_DECODE_PATH"  # =0: every step through the modules (side-by-side runs)
 
 
 @dataclass(frozen=True)
@@ -57,20 +59,25 @@ def _linear(module) -> _Linear | None:
 
 
 class CpuDecodePath:
-    def __init__(self, model: DecoderModel, attention: TorchBackend, library, layers: list[tuple]) -> None:
+    def __init__(
+        self, model: DecoderModel, attention: TorchBackend, library: ctypes.CDLL, layers: list[tuple], max_rows: int
+    ) -> None:
         self.model = model
         self.attention = attention
+        self.max_rows = max_rows
         self._ops = library
         self._layers = layers  # per layer: (qkv, o, gate_up, down, input norm ptr, post-attention norm ptr)
-        self._gguf = model.layers[0].qkv_proj.kernel._lib.gguf_matmul
-        self._attend = attention._kernel._fn
+        self._gguf = model.layers[0].qkv_proj.kernel.matmul_fn
+        self._kernel = attention.decode_kernel
+        self._attend = self._kernel.c_function(torch.float32)
         c = model.config
         # the GGUF kernel's scratch (x's block sums): one call at a time
-        self._scratch = torch.empty(MAX_ROWS * max(c.hidden_size, c.intermediate_size) // 32, dtype=torch.float32)
+        self._scratch = torch.empty(max_rows * max(c.hidden_size, c.intermediate_size) // 32, dtype=torch.float32)
 
     @classmethod
-    def build(cls, model: DecoderModel, attention) -> CpuDecodePath | None:
-        """The path for `model`, or None where some part of it is not what the C calls expect.
+    def build(cls, model, attention, library: ctypes.CDLL, max_rows: int) -> CpuDecodePath | None:
+        """The path for `model` through `attention`'s decode kernel and the C ops of `library`
+        (`fused_ops.cpu_ops_library()`), or None where some part of it is not what the C calls expect.
 
         Only Llama-family models (`DecoderModel`) with full attention on every layer: the other
         families (`executor_svc.models.layers.FamilyDecoder`) and sliding windows go through the modules.
@@ -78,15 +85,11 @@ class CpuDecodePath:
         c = model.config
         if type(model) is not DecoderModel or any(w is not None for w in c.layer_windows):
             return None
-        library = cpu_ops_library()
         if (
             library is None or model.device.type != "cpu" or model.dtype != torch.float32 or model.tp.size != 1
-            or not isinstance(attention, TorchBackend) or not attention.uses_decode_kernel
-            or c.head_dim % 2 or c.num_heads % c.num_kv_heads
+            or not isinstance(attention, TorchBackend) or attention.decode_kernel is None
+            or c.head_dim % 2 or c.num_heads % c.num_kv_heads or max_rows < 1
         ):
-            return None
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            log.info("CPU decode path off (%s=0)", ENV_SWITCH)
             return None
         shapes = (  # (in, out) of q/k/v, o, gate/up, down
             (c.hidden_size, c.q_size + 2 * c.kv_size), (c.q_size, c.hidden_size),
@@ -102,17 +105,17 @@ class CpuDecodePath:
                 return None
             layers.append((*linears, norms[0].data_ptr(), norms[1].data_ptr()))
         log.info("CPU decode path: %d layers as C calls", len(layers))
-        return cls(model, attention, library, layers)
+        return cls(model, attention, library, layers, max_rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> tuple | None:
         """(hidden, residual) as `DecoderModel.forward` returns them, or None: this step is not for this path."""
         rows = input_ids.shape[0]
-        if rows > MAX_ROWS or meta.max_query_len != 1:
+        if rows > self.max_rows or meta.max_query_len != 1:
             return None
         attention = self.attention
         k_cache0 = kv_caches[0][0]
         block_size = k_cache0.shape[1]
-        layout = attention._layout_for(meta, block_size, attention._kernel)
+        layout = attention.step_layout(meta, block_size)
         if layout.write_rows is not None or len(layout.groups) != 1:
             return None
         group = layout.groups[0]
@@ -152,7 +155,7 @@ class CpuDecodePath:
         heads, kv_heads, head_dim, scale = c.num_heads, c.num_kv_heads, c.head_dim, model.layers[0].scale
         num_seqs = lens.shape[0]
         one_thread = meta.max_seq_len * num_seqs <= ONE_THREAD_KEYS
-        kernel, split = attention._kernel, group.kernel_split
+        kernel, split = self._kernel, group.kernel_split
         q_heads = q.view(rows, heads, head_dim)
 
         for i, ((qkv_w, o_w, gu_w, down_w, norm1, norm2), (k_cache, v_cache)) in enumerate(

@@ -35,7 +35,6 @@ def triton_model_ops() -> ModelOps:
 
 # ---- CPU: the same ops as one C call each (csrc/cpu_ops.c) -----------------------------------
 CPU_OPS_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
-CPU_OPS_ENV_SWITCH = "PAGODA_CPU_OPS"
 # Up to this many rows the C loops run; above it, torch's ops (multi-threaded, vectorised), whose
 # dispatch cost no longer matters next to the arithmetic.
 CPU_OPS_MAX_ROWS = 64
@@ -45,10 +44,10 @@ _cpu_library: ctypes.CDLL | None | bool = False  # False: not loaded yet
 
 
 def cpu_ops_library() -> ctypes.CDLL | None:
-    """csrc/cpu_ops.c built and loaded once per process (its argument types set), or None."""
+    """csrc/cpu_ops.c built and loaded once per process (its argument types set), or None (no compiler)."""
     global _cpu_library
     if _cpu_library is False:
-        library = cbuild.load(CPU_OPS_SOURCE, cbuild.BASE_CFLAGS, CPU_OPS_ENV_SWITCH, "CPU elementwise ops (torch ops instead)")
+        library = cbuild.load(CPU_OPS_SOURCE, cbuild.BASE_CFLAGS, "CPU elementwise ops (torch ops instead)")
         if library is not None:
             i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
             signatures = {
@@ -65,14 +64,15 @@ def cpu_ops_library() -> ctypes.CDLL | None:
     return _cpu_library
 
 
-def cpu_model_ops() -> ModelOps | None:
-    """RMSNorm (+ residual add), rotary and SiLU-and-mul for float32 CPU models, or None (no compiler, off).
+def cpu_model_ops(library: ctypes.CDLL | None = None) -> ModelOps | None:
+    """RMSNorm (+ residual add), rotary and SiLU-and-mul for float32 CPU models, as calls into
+    `library` (`cpu_ops_library()` when None), or None where it does not build.
 
     At a few tokens a step each torch version is several dispatched ops of about a microsecond
     of arithmetic each; over 30 layers those dispatches were a third of a one-token step on
     the default model (`bench/bench_one_stream.py --only forward`).
     """
-    library = cpu_ops_library()
+    library = library or cpu_ops_library()
     if library is None:
         return None
     c_rms_norm, c_add_rms_norm = library.pagoda_rms_norm, library.pagoda_add_rms_norm

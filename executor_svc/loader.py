@@ -127,7 +127,7 @@ def load_model(
 
         kernel = get_kernel()
         if kernel is None:
-            raise UnsupportedModelError("quantization 'int8' needs the C kernel (no compiler here, or PAGODA_GGUF_KERNEL=0)")
+            raise UnsupportedModelError("quantization 'int8' needs the C kernel (no compiler here, or the backend's gguf_kernel off)")
         quantize_linears(model, kernel)
     return model.eval()
 

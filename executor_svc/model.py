@@ -249,9 +249,6 @@ class DecoderModel(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, vocab_rows, bias=False, dtype=dtype)
         )
-        # executor_svc.cpu_decode_path.CpuDecodePath, set by the model runner where it applies:
-        # decode steps of a GGUF model on the CPU as C calls, the same numbers
-        self.decode_path = None
         self.register_buffer("rotary_cos", torch.empty(0), persistent=False)
         self.register_buffer("rotary_sin", torch.empty(0), persistent=False)
 
@@ -300,11 +297,6 @@ class DecoderModel(nn.Module):
         `meta`: one for every layer, or one per layer (each layer's KV cache group's).
         """
         layer_metas = meta if isinstance(meta, tuple) else (meta,) * len(self.layers)
-        path = self.decode_path
-        if path is not None and attention is path.attention and not isinstance(meta, tuple):
-            out = path.forward(input_ids, positions, kv_caches, meta)
-            if out is not None:
-                return out
         hidden = vocab_parallel_embed(self.embed_tokens, input_ids, self.tp)
         residual = None
         cos, sin = self.rotary_cos.index_select(0, positions), self.rotary_sin.index_select(0, positions)

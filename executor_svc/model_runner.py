@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.attention import AttentionBackend, AttentionMetadata, get_backend
+from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.backend import Backend, BackendOptions
 from executor_svc.input_batch import BatchError, InputBatch
 from executor_svc.kv_cache_spec import KVCacheLayout, kv_cache_groups as group_layers, layer_sliding_windows
 from executor_svc.loader import load_model, weight_bytes
@@ -174,11 +175,15 @@ class ModelRunner:
         quantization: str = "auto",
         tp=None,
         kv_cache_groups: tuple[KVCacheGroupSpec, ...] | None = None,
+        backend: BackendOptions | None = None,
     ) -> None:
         """`tp`: this runner's rank of a tensor-parallel group (`executor_svc.parallel`), or None.
 
         `kv_cache_groups`: the layers that share a block table; None derives them from the
         model (`kv_cache_spec.kv_cache_groups` of its layers' windows).
+
+        `backend`: the execution choices (`BackendOptions.from_env()` when None);
+        `attention_backend` and `kv_cache_dtype` are its `attention` and `kv_cache_dtype`.
         """
         self._device = resolve_device(device)
         if num_threads:  # else torch's default: one thread per physical core
@@ -186,10 +191,20 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.dtype = resolve_dtype(dtype, self._device)
         self._block_size = block_size
+        options = replace(
+            backend or BackendOptions.from_env(), attention=attention_backend, kv_cache_dtype=kv_cache_dtype
+        )
+        self.backend = Backend(options, self._device, self.dtype)
         self.quantization = resolve_quantization(quantization, self.model_dir, self._device, self.dtype)
+        if self.quantization == "int8" and not self.backend.keeps_gguf_blocks:
+            from executor_svc.loader import UnsupportedModelError
+
+            raise UnsupportedModelError("quantization 'int8' needs the C kernel (no compiler here, or the backend's gguf_kernel off)")
+        if self.quantization == "gguf" and not self.backend.keeps_gguf_blocks:
+            self.quantization = "none"  # no kernel here (no compiler, or options.gguf_kernel off): dequantized at load
         self.model: DecoderModel = load_model(self.model_dir, self._device, self.dtype, self.quantization, tp=tp)
         if self.quantization == "gguf" and not any(isinstance(m, GGUFLinear) for m in self.model.modules()):
-            self.quantization = "none"  # no kernel here (no compiler, or PAGODA_GGUF_KERNEL=0): dequantized at load
+            self.quantization = "none"  # every tensor of a type the kernel does not keep: dequantized at load
         self.weight_bytes = weight_bytes(self.model)
         if pack_weights is None:
             pack_weights = can_pack_for_cpu(self._device, self.dtype) and self.quantization == "none"
@@ -199,19 +214,7 @@ class ModelRunner:
         self.kv_cache_groups = self._kv_cache_groups(kv_cache_groups)
         self.kv_cache_layout = KVCacheLayout(self.kv_cache_groups, self.config.num_layers)
         self._group_of_layer = self.kv_cache_layout.group_of
-        self.attention: AttentionBackend = get_backend(attention_backend, self._device, kv_cache_dtype)
-        if self.attention.name == "triton":
-            from executor_svc.fused_ops import triton_model_ops
-
-            self.model.ops = triton_model_ops()
-        elif self._device.type == "cpu" and self.dtype == torch.float32:
-            from executor_svc.fused_ops import cpu_model_ops
-
-            self.model.ops = cpu_model_ops() or self.model.ops
-            if self.quantization == "gguf":
-                from executor_svc.cpu_decode_path import CpuDecodePath
-
-                self.model.decode_path = CpuDecodePath.build(self.model, self.attention)
+        self.backend.prepare(self.model)
         cache_dtype = getattr(self.attention, "cache_dtype", None)
         self.kv_cache_dtype = cache_dtype(self.dtype) if cache_dtype else self.dtype
         self._fingerprint = fingerprint(self.model_dir)
@@ -246,6 +249,15 @@ class ModelRunner:
             block_size,
             _describe_groups(self.kv_cache_groups),
         )
+
+    @property
+    def attention(self) -> AttentionBackend:
+        """The backend's attention (a test may swap it: the C decode step then stands aside)."""
+        return self.backend.attention
+
+    @attention.setter
+    def attention(self, attention: AttentionBackend) -> None:
+        self.backend.attention = attention
 
     # -- what the worker registers -------------------------------------------------------
 
@@ -330,8 +342,8 @@ class ModelRunner:
         if plan.total_num_scheduled_tokens == 0:
             return StepResult(step_id=plan.step_id, errors=earlier_errors), {}
         inputs = self.prepare_inputs(plan)
-        hidden, residual = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.model_meta, self.attention
+        hidden, residual = self.backend.forward(
+            self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.model_meta
         )
         per_request: dict[str, torch.Tensor] = {}
         if all_logits:

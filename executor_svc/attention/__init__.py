@@ -15,10 +15,13 @@ def default_backend_name(device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
-def get_backend(name: str, device: torch.device | str, kv_cache_dtype: str = "auto") -> AttentionBackend:
+def get_backend(
+    name: str, device: torch.device | str, kv_cache_dtype: str = "auto", decode_kernel: bool = True
+) -> AttentionBackend:
     """The backend `name` ("auto", "torch" or "triton") for `device`; triton is imported only when asked.
 
-    `kv_cache_dtype` "fp8" (e4m3, scales 1.0) needs the triton backend.
+    `kv_cache_dtype` "fp8" (e4m3, scales 1.0) needs the triton backend. `decode_kernel`: the torch
+    backend's decodes on a CPU through the C kernel where it builds (False: SDPA).
     """
     if name == "auto":
         name = default_backend_name(device)
@@ -27,7 +30,7 @@ def get_backend(name: str, device: torch.device | str, kv_cache_dtype: str = "au
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs --attention-backend triton")
         from executor_svc.attention.torch_backend import TorchBackend
 
-        return TorchBackend(device)
+        return TorchBackend(device, decode_kernel=None if decode_kernel else False)
     if name == "triton":
         if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1), not {device}")

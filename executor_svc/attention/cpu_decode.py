@@ -9,7 +9,8 @@ sequences are split into one contiguous range per torch thread, balanced by leng
 on a thread pool: ctypes releases the GIL for the duration of each call.
 
 Where no compiler is found or the build fails, `load()` returns None and the backend keeps
-the SDPA path. `PAGODA_CPU_DECODE_KERNEL=0` turns the kernel off (for side-by-side runs).
+the SDPA path; `BackendOptions.cpu_decode_kernel=False` (`PAGODA_CPU_DECODE_KERNEL=0`) keeps it
+too (for side-by-side runs).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 CFLAGS = (*cbuild.BASE_CFLAGS, "-fopenmp-simd")
-ENV_SWITCH = "PAGODA_CPU_DECODE_KERNEL"
 
 _c_int64, _c_float, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -48,18 +48,27 @@ class CpuDecodeKernel:
         for fn in fns.values():
             fn.argtypes, fn.restype = argtypes, None
         self._fns = fns
-        self._fn = fns[torch.float32]  # the float32 entry, for callers that run a whole step in C
         self.num_threads = max(1, num_threads)
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="decode-attn") if self.num_threads > 1 else None
 
     @classmethod
     def load(cls, num_threads: int | None = None) -> CpuDecodeKernel | None:
-        library = cbuild.load(SOURCE, CFLAGS, ENV_SWITCH, "CPU decode attention kernel (SDPA on gathered blocks instead)")
+        library = cbuild.load(SOURCE, CFLAGS, "CPU decode attention kernel (SDPA on gathered blocks instead)")
         if library is None:
             return None
         kernel = cls(library, num_threads or torch.get_num_threads())
         log.info("decode attention: CPU kernel on %d thread(s)", kernel.num_threads)
         return kernel
+
+    def c_function(self, dtype: torch.dtype = torch.float32):
+        """The C entry for a `dtype` cache, for callers that run a whole step in C (one range of sequences a call)::
+
+            paged_decode_attention(q, k_cache, v_cache, block_table, table_stride, seq_lens, out, scratch,
+                                   num_heads, num_kv_heads, head_dim, block_size, scale, first_seq, end_seq)
+
+        q and out [S, H, D] float32, scratch `num_heads * (block_size + 2)` floats.
+        """
+        return self._fns[dtype]
 
     def __call__(
         self,

@@ -87,6 +87,17 @@ class TorchBackend:
     def uses_decode_kernel(self) -> bool:
         return self._kernel is not None
 
+    @property
+    def decode_kernel(self):
+        """The CPU decode-attention kernel (`cpu_decode.CpuDecodeKernel`) decodes go through, or None (SDPA)."""
+        return self._kernel
+
+    def step_layout(self, meta: AttentionMetadata, block_size: int) -> _StepLayout:
+        """The step's layout as this backend's decode kernel runs it (cached per step): the sequences'
+        groups with their block tables, kernel lengths and thread split, and the K/V write slots --
+        for callers that run a whole step in C (`executor_svc.cpu_decode_path`)."""
+        return self._layout_for(meta, block_size, self._kernel)
+
     def forward(
         self,
         q: torch.Tensor,

@@ -208,8 +208,7 @@ class FamilyDecoder(nn.Module):
             raise ValueError(f"{config.architecture}: no tensor parallelism")
         self.config = config
         self.tp = TensorParallel()
-        self.ops = None  # (set by the model runner; the family layers use plain torch)
-        self.decode_path = None
+        self.ops = None  # (set by the backend; the family layers use plain torch)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(FamilyLayer(config, dtype, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, config.gemma_norm)

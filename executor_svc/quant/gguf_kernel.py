@@ -12,7 +12,8 @@ Every block type of llama.cpp's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and K-quant (Q2_K-Q6_K)
 fused with AVX2 + FMA + F16C (`csrc/gguf_avx2.h`); a build without them (another CPU) takes a
 portable C row path (`csrc/gguf_blocks.h`), with the same numbers up to summation order.
 
-`PAGODA_GGUF_KERNEL=0` turns it off: `GGUFLinear` then dequantizes into float32 at load.
+`BackendOptions.gguf_kernel=False` (`PAGODA_GGUF_KERNEL=0`) keeps it out: GGUF weights are then
+dequantized into float32 at load.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gguf_matmul.c"
 CFLAGS = (*cbuild.BASE_CFLAGS, "-pthread")  # -march=native: AVX2/FMA/F16C where this CPU has them
-ENV_SWITCH = "PAGODA_GGUF_KERNEL"
 
 I8_ROW = 1000  # the kernel's own int8 layout (not a GGML type): float32 row scale, then int8 values
 
@@ -72,6 +72,17 @@ class GGUFKernel:
     def scratch_floats(num_rows: int, in_features: int) -> int:
         """Floats of scratch a matmul of `num_rows` rows of x needs (x's block sums)."""
         return num_rows * (in_features // 32)
+
+    @property
+    def matmul_fn(self):
+        """The C entry for callers that run a whole step in C::
+
+            gguf_matmul(int ggml_type, const uint8_t *w, int64 row_bytes, int64 N, int64 K,
+                        const float *x, int64 M, float *xs, float *y)
+
+        y [M][N] = x @ dequant(W).T, the arguments as `matmul_strided_fn`'s with ldy = N.
+        """
+        return self._lib.gguf_matmul
 
     @property
     def matmul_strided_fn(self):
@@ -155,11 +166,11 @@ _kernel: GGUFKernel | None | bool = False  # False: not tried yet
 
 
 def get_kernel() -> GGUFKernel | None:
-    """The process's kernel (built on first use), or None where it cannot be built or is off."""
+    """The process's kernel (built on first use), or None where it cannot be built."""
     global _kernel
     with _lock:
         if _kernel is False:
-            library = cbuild.load(SOURCE, CFLAGS, ENV_SWITCH, "GGUF matmul kernel (weights dequantized to float32 instead)")
+            library = cbuild.load(SOURCE, CFLAGS, "GGUF matmul kernel (weights dequantized to float32 instead)")
             _kernel = None if library is None else GGUFKernel(library, torch.get_num_threads())
             if _kernel is not None:
                 log.info("GGUF matmul kernel on %d thread(s)", _kernel.num_threads)

@@ -24,7 +24,6 @@ in its blocks: no bfloat16 copy is kept (see `BF16_FUSED_MAX_ROWS` for the figur
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -35,8 +34,8 @@ from executor_svc.quant.gguf_kernel import GGUFKernel
 # Above this many rows of x, dequantize + GEMM beats the fused kernel (measured on 2 cores, AVX2,
 # the default model's 120 decoder linears: fused 25 / 49 / 74 / 97 / 192 ms at 16 / 32 / 48 /
 # 64 / 128 rows, dequantize + GEMM 73 / 85 / 89 / 108 / 144 ms; the note of #18).
-# PAGODA_GGUF_FUSED_MAX_ROWS overrides it for side-by-side runs.
-FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_FUSED_MAX_ROWS", "64"))
+# The default of `BackendOptions.gguf_fused_max_rows` (PAGODA_GGUF_FUSED_MAX_ROWS for side-by-side runs).
+FUSED_MAX_ROWS = 64
 
 
 # bfloat16 x: above this many rows, dequantize a tile into bfloat16 + a bfloat16 GEMM beats the
@@ -49,8 +48,8 @@ FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_FUSED_MAX_ROWS", "64"))
 # its blocks take) would buy little. A weight of several tiles (the vocabulary-sized LM head,
 # 49152 x 576 Q8_0) costs far more to dequantize per call and stays fused up to FUSED_MAX_ROWS
 # rows (there, ms: rows 16: 43 / 17, 32: 50 / 31, 48: 49 / 52, 64: 59 / 60, 128: 77 / 127).
-# PAGODA_GGUF_BF16_FUSED_MAX_ROWS overrides it for side-by-side runs.
-BF16_FUSED_MAX_ROWS = int(os.environ.get("PAGODA_GGUF_BF16_FUSED_MAX_ROWS", "16"))
+# The default of `BackendOptions.gguf_bf16_fused_max_rows` (PAGODA_GGUF_BF16_FUSED_MAX_ROWS for side-by-side runs).
+BF16_FUSED_MAX_ROWS = 16
 
 # The dequantize + GEMM path works a tile of weight rows this large (float32) at a time, in one
 # buffer that is reused (see GGUFLinear._dequantized_gemm).
@@ -79,8 +78,16 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"packed{i}", packed)
         self.out_features = sum(p.shape[0] for _, p in segments)
         self.register_buffer("bias", bias)
+        self.set_row_thresholds(FUSED_MAX_ROWS, BF16_FUSED_MAX_ROWS)
+
+    def set_row_thresholds(self, fused_max_rows: int, bf16_fused_max_rows: int) -> None:
+        """Up to how many rows of x the fused kernel runs (float32 x; bfloat16 x) before dequantize + GEMM.
+
+        A weight of several dequantization tiles (the vocabulary-sized LM head) keeps the float32
+        threshold for bfloat16 x too (see `BF16_FUSED_MAX_ROWS`)."""
         one_tile = 4 * self.in_features * self.out_features <= DEQUANT_TILE_BYTES
-        self.bf16_fused_max_rows = BF16_FUSED_MAX_ROWS if one_tile else FUSED_MAX_ROWS
+        self.fused_max_rows = fused_max_rows
+        self.bf16_fused_max_rows = bf16_fused_max_rows if one_tile else fused_max_rows
 
     @property
     def segments(self) -> list[tuple[int, torch.Tensor]]:
@@ -97,11 +104,11 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16:
             return self._forward_bf16(x)
-        if x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS and x.dtype == torch.float32 and x.is_contiguous():
+        if x.dim() == 2 and x.shape[0] <= self.fused_max_rows and x.dtype == torch.float32 and x.is_contiguous():
             return self._fused(x)  # a decode step's shape: no reshape, no copy
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).float().contiguous()
-        y = self._dequantized_gemm(x) if x.shape[0] > FUSED_MAX_ROWS else self._fused(x)
+        y = self._dequantized_gemm(x) if x.shape[0] > self.fused_max_rows else self._fused(x)
         return y.reshape(*lead, self.out_features)
 
     def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:

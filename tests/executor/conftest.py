@@ -20,6 +20,16 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="package", autouse=True)
+def executor_link_secret():
+    """The per-user secret of the executor link, as a scheduler's first start makes it: the executor
+    processes these tests start read it before anything else (without it they wait for a scheduler
+    to make it, and a test run of this folder alone on a fresh machine timed out)."""
+    from pagoda.link_security import ensure_default_secret
+
+    return ensure_default_secret()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from pagoda.model_files import resolve_model

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from executor_svc import cpu_decode_path
-from executor_svc.cpu_decode_path import MAX_ROWS, CpuDecodePath
+from executor_svc.cpu_decode_path import CpuDecodePath
 from executor_svc.model_runner import ModelRunner
 from executor_svc.quant.gguf_kernel import get_kernel
 from pagoda import model_files
@@ -27,23 +27,19 @@ def test_each_decode_step_equals_the_modules_to_the_bit(runner, one_thread_keys,
 
     monkeypatch.setattr(cpu_decode_path, "ONE_THREAD_KEYS", one_thread_keys)
     model = runner.model
-    path = model.decode_path
+    path = runner.backend.decode_step
     assert isinstance(path, CpuDecodePath), "the default GGUF model on the CPU takes the decode path"
     tok = AutoTokenizer.from_pretrained(str(runner.model_dir))
     texts = ["The capital of France is", "def add(a, b):\n", "Once upon a time, in a small village, there lived"]
     prompts = {f"p{i}": tok(t)["input_ids"] for i, t in enumerate(texts)}
-    original = model.forward
     compared: list[int] = []  # rows of each step the path took
     declined = 0
 
-    def both(input_ids, positions, kv_caches, meta, attention):
+    def both(model_, input_ids, positions, kv_caches, meta):
         nonlocal declined
         fast = path.forward(input_ids, positions, kv_caches, meta)
-        model.decode_path = None  # the modules, on the same inputs (they write the same K/V again)
-        try:
-            slow = original(input_ids, positions, kv_caches, meta, attention)
-        finally:
-            model.decode_path = path
+        # the modules, on the same inputs (they write the same K/V again)
+        slow = model(input_ids, positions, kv_caches, meta, runner.attention)
         if fast is None:
             declined += 1
         else:
@@ -52,21 +48,18 @@ def test_each_decode_step_equals_the_modules_to_the_bit(runner, one_thread_keys,
                 torch.testing.assert_close(got, want, atol=0, rtol=0)
         return slow
 
-    model.forward = both
-    try:
-        builder = PlanBuilder(block_size=16, num_blocks=256)
-        mixed_workload(builder, prompts, max_tokens=12)
-        run_to_completion(runner, builder)
-    finally:
-        del model.forward
+    monkeypatch.setattr(runner.backend, "forward", both)
+    builder = PlanBuilder(block_size=16, num_blocks=256)
+    mixed_workload(builder, prompts, max_tokens=12)
+    run_to_completion(runner, builder)
     assert declined > 0, "steps with prefill chunks go through the modules"
     assert 1 in compared and max(compared) >= 2, compared  # one decode alone, and several together
 
 
 def test_steps_it_does_not_take(runner):
-    path = runner.model.decode_path
+    path = runner.backend.decode_step
     assert path is not None
-    too_many = torch.zeros(MAX_ROWS + 1, dtype=torch.int64)
+    too_many = torch.zeros(path.max_rows + 1, dtype=torch.int64)
 
     class Meta:  # only what forward reads before it declines
         max_query_len, max_seq_len = 1, 10

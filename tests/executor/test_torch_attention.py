@@ -267,10 +267,7 @@ def test_decode_kernel_switch_and_fallback(monkeypatch, tmp_path):
     from executor_svc.attention import cpu_decode
 
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
-    assert cpu_decode.CpuDecodeKernel.load() is None
-    assert not TorchBackend("cpu").uses_decode_kernel
-    monkeypatch.delenv(cpu_decode.ENV_SWITCH)
+    assert not get_backend("torch", "cpu", decode_kernel=False).uses_decode_kernel  # the backend option: SDPA
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert cpu_decode.CpuDecodeKernel.load() is None  # SDPA instead, with a warning
     with pytest.raises(RuntimeError, match="could not be built"):
