@@ -37,7 +37,7 @@ class BackendOptions:
 
     attention: str = "auto"  # "auto" (triton on CUDA, torch elsewhere), "torch" or "triton"
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (triton only)
-    cpu_ops: bool = True  # RMSNorm, rotary, SiLU-and-mul as C calls on a float32 CPU model (csrc/cpu_ops.c)
+    cpu_ops: bool = True  # RMSNorm, rotary, SiLU-and-mul as C calls on a CPU (csrc/cpu_ops.c; float32 modules, the decode path)
     cpu_decode_kernel: bool = True  # decode attention on a CPU through attention/csrc/paged_decode.c (else SDPA)
     cpu_decode_path: bool = True  # a GGUF model's decode steps as a row of C calls (cpu_decode_path.py)
     gguf_kernel: bool = True  # GGUF weights kept in their blocks on a CPU (else dequantized at load)
@@ -104,7 +104,7 @@ class Backend:
             options.attention, device, options.kv_cache_dtype, decode_kernel=options.cpu_decode_kernel
         )
         self.cpu_ops = None  # csrc/cpu_ops.c's library, where this replica uses it
-        if on_cpu and dtype == torch.float32 and options.cpu_ops and self.attention.name == "torch":
+        if on_cpu and dtype in (torch.float32, torch.bfloat16) and options.cpu_ops and self.attention.name == "torch":
             from executor_svc.fused_ops import cpu_ops_library
 
             self.cpu_ops = cpu_ops_library()
@@ -130,7 +130,7 @@ class Backend:
             from executor_svc.fused_ops import triton_model_ops
 
             model.ops = triton_model_ops()
-        elif self.cpu_ops is not None:
+        elif self.cpu_ops is not None and self.dtype == torch.float32:  # (the C ops are float32 only)
             from executor_svc.fused_ops import cpu_model_ops
 
             model.ops = cpu_model_ops(self.cpu_ops)
@@ -138,7 +138,10 @@ class Backend:
         if self.cpu_ops is not None and self.options.cpu_decode_path:
             from executor_svc.cpu_decode_path import CpuDecodePath
 
-            self.decode_step = CpuDecodePath.build(model, self.attention, self.cpu_ops, self.options.gguf_fused_max_rows)
+            # up to the rows where the GGUF linears leave the fused kernel for a GEMM in the model's dtype
+            bf16 = self.dtype == torch.bfloat16
+            max_rows = self.options.gguf_bf16_fused_max_rows if bf16 else self.options.gguf_fused_max_rows
+            self.decode_step = CpuDecodePath.build(model, self.attention, self.cpu_ops, max_rows)
         elif not self.options.cpu_decode_path:
             log.info("CPU decode path off (options: cpu_decode_path=False)")
 

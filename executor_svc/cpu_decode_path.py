@@ -60,16 +60,22 @@ def _linear(module) -> _Linear | None:
 
 class CpuDecodePath:
     def __init__(
-        self, model: DecoderModel, attention: TorchBackend, library: ctypes.CDLL, layers: list[tuple], max_rows: int
+        self, model: DecoderModel, attention: TorchBackend, library: ctypes.CDLL, layers: list[tuple], max_rows: int,
+        norms: list[torch.Tensor],
     ) -> None:
         self.model = model
+        self._norms = norms  # the float32 norm weights the layers' pointers read (copies, for a bfloat16 model)
         self.attention = attention
         self.max_rows = max_rows
         self._ops = library
         self._layers = layers  # per layer: (qkv, o, gate_up, down, input norm ptr, post-attention norm ptr)
         self._gguf = model.layers[0].qkv_proj.kernel.matmul_fn
         self._kernel = attention.decode_kernel
-        self._attend = self._kernel.c_function(torch.float32)
+        # per cache dtype: (the C K/V write, the C decode attention)
+        self._cache_calls = {
+            torch.float32: (library.pagoda_write_kv, self._kernel.c_function(torch.float32)),
+            torch.bfloat16: (library.pagoda_write_kv_bf16, self._kernel.c_function(torch.bfloat16)),
+        }
         c = model.config
         # the GGUF kernel's scratch (x's block sums): one call at a time
         self._scratch = torch.empty(max_rows * max(c.hidden_size, c.intermediate_size) // 32, dtype=torch.float32)
@@ -81,12 +87,19 @@ class CpuDecodePath:
 
         Only Llama-family models (`DecoderModel`) with full attention on every layer: the other
         families (`executor_svc.models.layers.FamilyDecoder`) and sliding windows go through the modules.
+
+        A bfloat16 model (`--dtype bfloat16`) takes it too, computing in float32 as a float32 model
+        does (its GGUF linears run the same float32 kernel at these row counts; the norm weights are
+        float32 copies of its bfloat16 ones) and writing K/V into its bfloat16 cache rounded as torch
+        rounds them: its decode steps are then as fast as float32's, slightly more precise than its
+        modules (which round every activation to bfloat16), within the bound `tests/executor/test_bf16.py` checks.
         """
         c = model.config
         if type(model) is not DecoderModel or any(w is not None for w in c.layer_windows):
             return None
         if (
-            library is None or model.device.type != "cpu" or model.dtype != torch.float32 or model.tp.size != 1
+            library is None or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16)
+            or model.tp.size != 1 or model.rotary_cos.dtype != torch.float32
             or not isinstance(attention, TorchBackend) or attention.decode_kernel is None
             or c.head_dim % 2 or c.num_heads % c.num_kv_heads or max_rows < 1
         ):
@@ -95,17 +108,16 @@ class CpuDecodePath:
             (c.hidden_size, c.q_size + 2 * c.kv_size), (c.q_size, c.hidden_size),
             (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size),
         )
-        layers = []
+        layers, kept = [], []
         for layer in model.layers:
             linears = [_linear(getattr(layer, name)) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
             if any(x is None or (x.in_features, x.out_features) != shape for x, shape in zip(linears, shapes)):
                 return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
-                return None
+            norms = [w.detach().float().contiguous() for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+            kept += norms
             layers.append((*linears, norms[0].data_ptr(), norms[1].data_ptr()))
-        log.info("CPU decode path: %d layers as C calls", len(layers))
-        return cls(model, attention, library, layers, max_rows)
+        log.info("CPU decode path: %d layers as C calls (%s model)", len(layers), model.dtype)
+        return cls(model, attention, library, layers, max_rows, kept)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> tuple | None:
         """(hidden, residual) as `DecoderModel.forward` returns them, or None: this step is not for this path."""
@@ -119,15 +131,17 @@ class CpuDecodePath:
         if layout.write_rows is not None or len(layout.groups) != 1:
             return None
         group = layout.groups[0]
-        if group.kernel_lens is None or group.token_rows != slice(None) or k_cache0.dtype != torch.float32:
+        calls = self._cache_calls.get(k_cache0.dtype)
+        if group.kernel_lens is None or group.token_rows != slice(None) or calls is None:
             return None
+        write_kv, attend = calls
         model, c = self.model, self.model.config
         q_size, kv_size, inter, hid = c.q_size, c.kv_size, c.intermediate_size, c.hidden_size
         qkv_width = q_size + 2 * kv_size
         eps = c.rms_norm_eps
 
-        residual = model.embed_tokens(input_ids)  # [T, hidden], fresh: it becomes the residual stream
-        if residual.dtype != torch.float32 or not residual.is_contiguous():
+        residual = model.embed_tokens(input_ids).float()  # [T, hidden], fresh: it becomes the residual stream
+        if not residual.is_contiguous():
             return None
         cos = model.rotary_cos.index_select(0, positions)
         sin = model.rotary_sin.index_select(0, positions)
@@ -144,9 +158,9 @@ class CpuDecodePath:
         if slots.dtype != torch.int64 or not slots.is_contiguous() or table.stride(1) != 1:
             return None
 
-        ops, gguf, attend = self._ops, self._gguf, self._attend
+        ops, gguf = self._ops, self._gguf
         rms_norm, add_rms_norm = ops.pagoda_rms_norm, ops.pagoda_add_rms_norm
-        rotary, write_kv, silu_and_mul = ops.pagoda_rotary_neox, ops.pagoda_write_kv, ops.pagoda_silu_and_mul
+        rotary, silu_and_mul = ops.pagoda_rotary_neox, ops.pagoda_silu_and_mul
         R, H, N = residual.data_ptr(), hidden.data_ptr(), normed.data_ptr()
         QKV, Q, A, GU, ACT = qkv.data_ptr(), q.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr()
         K, V = QKV + q_size * F32, QKV + (q_size + kv_size) * F32

@@ -56,6 +56,7 @@ def cpu_ops_library() -> ctypes.CDLL | None:
                 "pagoda_rotary_neox": [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr],
                 "pagoda_silu_and_mul": [ptr, i64, i64, ptr],
                 "pagoda_write_kv": [ptr, ptr, i64, ptr, ptr, ptr, i64, i64],
+                "pagoda_write_kv_bf16": [ptr, ptr, i64, ptr, ptr, ptr, i64, i64],
             }
             for name, argtypes in signatures.items():
                 fn = getattr(library, name)

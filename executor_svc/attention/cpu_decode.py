@@ -82,11 +82,11 @@ class CpuDecodeKernel:
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        dtype = q.dtype
-        assert dtype == k_cache.dtype == v_cache.dtype and dtype in self.DTYPES
+        dtype = q.dtype  # the cache's, or float32 (a float32 query over a bfloat16 cache: out float32)
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in self.DTYPES and dtype in (torch.float32, k_cache.dtype)
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         q = q.float().contiguous()
-        fn = self._fns[dtype]
+        fn = self._fns[k_cache.dtype]
         assert block_table.dtype == torch.int32 and seq_lens.dtype == torch.int32 and block_table.stride(1) == 1
         out = torch.empty_like(q)
         bounds = work_split if work_split is not None else self.split(seq_lens)

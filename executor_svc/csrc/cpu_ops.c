@@ -75,6 +75,28 @@ void pagoda_write_kv(const float *k, const float *v, int64_t src_stride, float *
     }
 }
 
+// float32 -> bfloat16, rounded to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+// pagoda_write_kv into a bfloat16 cache: each value rounded as torch rounds it
+void pagoda_write_kv_bf16(const float *k, const float *v, int64_t src_stride, uint16_t *k_cache, uint16_t *v_cache,
+                          const int64_t *slots, int64_t rows, int64_t row_values) {
+    for (int64_t t = 0; t < rows; t++) {
+        uint16_t *kc = k_cache + slots[t] * row_values, *vc = v_cache + slots[t] * row_values;
+        const float *ks = k + t * src_stride, *vs = v + t * src_stride;
+        for (int64_t i = 0; i < row_values; i++) {
+            kc[i] = to_bf16(ks[i]);
+            vc[i] = to_bf16(vs[i]);
+        }
+    }
+}
+
 // x[t] = [gate | up], each n wide -> out[t] = silu(gate) * up, silu(g) = g / (1 + exp(-g))
 void pagoda_silu_and_mul(const float *x, int64_t rows, int64_t n, float *out) {
     for (int64_t t = 0; t < rows; t++) {

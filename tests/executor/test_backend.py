@@ -96,9 +96,9 @@ def test_each_option_takes_effect_and_the_tokens_stay_the_same(default_model_dir
                     backend=BackendOptions(gguf_kernel=False))
 
 
-def test_bfloat16_gets_no_float32_c_paths(default_model_dir):
-    if get_kernel() is None:
-        pytest.skip("no C compiler")
+@pytest.mark.skipif(get_kernel() is None or cpu_ops_library() is None, reason="no C compiler: no C paths to choose")
+def test_bfloat16_takes_the_decode_step_but_keeps_torch_ops_in_its_modules(default_model_dir):
     runner = ModelRunner(default_model_dir, device="cpu", dtype="bfloat16", block_size=16, num_kv_blocks=16)
-    assert runner.backend.cpu_ops is None and runner.backend.decode_step is None
-    assert runner.model.dtype == torch.bfloat16
+    assert runner.model.dtype == torch.bfloat16 and runner.model.ops == ModelOps()
+    step = runner.backend.decode_step
+    assert step is not None and step.max_rows == runner.backend.options.gguf_bf16_fused_max_rows

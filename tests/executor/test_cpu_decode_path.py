@@ -67,3 +67,33 @@ def test_steps_it_does_not_take(runner):
     assert path.forward(too_many, too_many, [], Meta) is None
     Meta.max_query_len = 2  # a prefill chunk (or drafts to verify)
     assert path.forward(too_many[:4], too_many[:4], [], Meta) is None
+
+
+def test_bfloat16_decode_steps_stay_close_to_its_modules():
+    """A bfloat16 model's decode steps through the path compute in float32 (K/V rounded into its
+    bfloat16 cache): close to its modules, which round every activation to bfloat16, not equal."""
+    from transformers import AutoTokenizer
+
+    runner = ModelRunner(model_files.resolve_model(None, weights=False), device="cpu", dtype="bfloat16",
+                         block_size=16, num_kv_blocks=128)
+    path = runner.backend.decode_step
+    assert isinstance(path, CpuDecodePath) and runner.kv_caches[0][0].dtype == torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(str(runner.model_dir))
+    prompts = {f"q{i}": tok(t)["input_ids"] for i, t in enumerate(["The capital of France is", "def add(a, b):\n"])}
+    errors: list[float] = []
+
+    def both(model_, input_ids, positions, kv_caches, meta):
+        fast = path.forward(input_ids, positions, kv_caches, meta)
+        slow = runner.model(input_ids, positions, kv_caches, meta, runner.attention)  # rewrites the same slots
+        if fast is not None:
+            assert fast[0].dtype == torch.float32
+            got, want = sum(fast), sum(x.float() for x in slow)
+            errors.append(((got - want).norm() / want.norm()).item())
+        return slow
+
+    runner.backend.forward = both
+    builder = PlanBuilder(block_size=16, num_blocks=128)
+    mixed_workload(builder, prompts, max_tokens=8)
+    run_to_completion(runner, builder)
+    print(f"bf16 decode path vs its modules: relative error of the last layer's output, max {max(errors):.4f}")
+    assert errors and max(errors) < 0.05, errors
