@@ -47,13 +47,19 @@ class UnsupportedModelError(ValueError):
 
 def load_config(model_dir: str | Path) -> ModelConfig:
     """The config of a Hugging Face directory or (read by transformers from its metadata) a .gguf file,
-    read by its family (`executor_svc.models`); an architecture without one is refused."""
+    read by its family (`executor_svc.models`); an architecture without one is refused. A MoE GGUF
+    file's config (Qwen3-MoE, Mixtral) is read from its metadata by `models.gguf_config`, whatever
+    the directory standing for it holds: transformers' reading of these is wrong."""
     from transformers import AutoConfig
 
+    from executor_svc.models.gguf_config import moe_hf_config
+
     model_dir = Path(model_dir)
-    if model_dir.suffix == ".gguf":
+    gguf_file = model_dir if model_dir.suffix == ".gguf" else gguf_source(model_dir)
+    hf = None if gguf_file is None else moe_hf_config(gguf_file)
+    if hf is None and model_dir.suffix == ".gguf":
         hf = AutoConfig.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name, local_files_only=True)
-    else:
+    elif hf is None:
         hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     architecture = (getattr(hf, "architectures", None) or [BY_MODEL_TYPE.get(hf.model_type, hf.model_type)])[0]
     return family(architecture).read_config(hf, architecture)

@@ -5,7 +5,8 @@
 (every 1-D weight -- norms, biases -- moved off its initial value, so a norm read as `w`
 instead of `1 + w`, or a dropped bias, changes the outputs) and the default model's tokenizer
 files (no hub). The sliding families attend within `WINDOW` tokens, so a prompt of a few
-windows tests them.
+windows tests them. `gemma3_mm` is `gemma3`'s text model inside a `Gemma3ForConditionalGeneration`
+with a one-layer vision tower.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 WINDOW = 16
 VOCAB = 49152
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3")
-SLIDING = ("mistral", "qwen2", "qwen3", "mixtral", "gemma2", "gemma3")  # families built with windows
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3", "gemma3_mm")
+SLIDING = ("mistral", "qwen2", "qwen3", "mixtral", "gemma2", "gemma3", "gemma3_mm")  # families built with windows
 
 
 def tiny_config(kind: str):
@@ -63,6 +64,11 @@ def tiny_config(kind: str):
     if kind == "gemma3":  # three windowed layers (local RoPE base) then one full
         return T.Gemma3TextConfig(**common, sliding_window=WINDOW, query_pre_attn_scalar=24,
                                   layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    if kind == "gemma3_mm":  # Gemma3ForConditionalGeneration: gemma3's text model, a one-layer vision tower
+        vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=28, patch_size=14)
+        return T.Gemma3Config(text_config=tiny_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                              mm_tokens_per_image=4, eos_token_id=common["eos_token_id"])
     raise ValueError(kind)
 
 
@@ -73,7 +79,7 @@ def build_family(kind: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, *
 
     config = tiny_config(kind)
     for name, value in config_changes.items():
-        setattr(config, name, value)
+        setattr(config.get_text_config(), name, value)
     torch.manual_seed(seed + FAMILIES.index(kind))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -89,39 +95,53 @@ def build_family(kind: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, *
 
 def load_reference(model_dir: Path, **config_changes):
     """transformers' model of the folder, float32, eager attention (the soft caps' reference);
-    `config_changes` (e.g. `sliding_window`) are set on its config first."""
+    `config_changes` (e.g. `sliding_window`) are set on its (text) config first."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     for name, value in config_changes.items():
-        setattr(config, name, value)
+        setattr(config.get_text_config(), name, value)
     return AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 # GGUF files: the families transformers reads from GGUF (`transformers.integrations.ggml`), with
 # the GGUF architecture name llama.cpp's converter writes
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
+# the MoE families, which transformers cannot read from GGUF (Qwen3-MoE: no `moe_intermediate_size`;
+# Mixtral, a "llama" file with experts: the experts dropped), and what their reference folder (see
+# `write_gguf`) is built with: what llama.cpp computes -- no dense layers, the top-k renormalised, no window
+MOE_GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+MOE_GGUF_CONFIG = {"qwen3_moe": {"norm_topk_prob": True, "mlp_only_layers": []}, "mixtral": {"sliding_window": None}}
 # what a GGUF file cannot say, so that transformers' reading of it keeps the tensors' shapes
 GGUF_CONFIG = {"qwen3": {"head_dim": 128}}  # (transformers' Qwen3 GGUF config takes the default head_dim)
 # the block type of each 2-D GGUF tensor (the rest, norms and biases, float32): q/k and v of two
 # types (a merged projection of two segments), a type of its own for the embedding and the head
 GGUF_TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_1", "attn_qkv": "Q8_0", "attn_output": "Q5_0",
-              "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "ffn_down": "Q4_0", "token_embd": "Q8_0", "output": "Q4_1"}
+              "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "ffn_down": "Q4_0", "token_embd": "Q8_0", "output": "Q4_1",
+              "ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q5_0", "ffn_down_exps": "Q4_1"}  # (the router, ffn_gate_inp: F32)
 
 
-def write_gguf(kind: str, model_dir: Path, out_path: Path) -> Path:
+def write_gguf(kind: str, model_dir: Path, out_path: Path, reference_dir: Path | None = None) -> Path:
     """The folder's model as a GGUF file, written as llama.cpp's converter does: the `gguf` package's
-    tensor names, q/k rows permuted for "llama", Gemma's norm weights stored as 1 + w, every 2-D
+    tensor names, q/k rows permuted for "llama", Gemma's norm weights stored as 1 + w, each
+    layer's experts stacked into one [experts, out, in] tensor per projection, every 2-D or 3-D
     weight quantized by the `gguf` package to its type of `GGUF_TYPES`, the rest float32.
     No tokenizer (reading 49152 tokens and their merges from a GGUF file takes seconds each
-    time): `gguf_model_dir` gives the runner the folder's tokenizer files instead."""
+    time): `gguf_model_dir` gives the runner the folder's tokenizer files instead.
+
+    `reference_dir`: also the folder again with the weights the file holds -- each tensor
+    quantized and dequantized by the `gguf` package (the blocks run along rows, so this is the
+    file's tensor whatever its rows' permutation or stacking) -- the reference for the files
+    transformers cannot read (`MOE_GGUF_ARCHITECTURES`)."""
     import gguf
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    arch = GGUF_ARCHITECTURES[kind]
+    arch = {**GGUF_ARCHITECTURES, **MOE_GGUF_ARCHITECTURES}[kind]
+    assert reference_dir is None or kind in MOE_GGUF_ARCHITECTURES, kind  # (no Gemma 1 + w undone there)
     config = AutoConfig.from_pretrained(model_dir)
     tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    reference: dict[str, torch.Tensor] = {}
     w = gguf.GGUFWriter(str(out_path), arch)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -137,29 +157,74 @@ def write_gguf(kind: str, model_dir: Path, out_path: Path) -> Path:
         w.add_key_length(config.head_dim)
         w.add_value_length(config.head_dim)
         w.add_sliding_window(config.sliding_window)
+    if kind in MOE_GGUF_ARCHITECTURES:
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+        w.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        if kind == "qwen3_moe":
+            w.add_expert_feed_forward_length(config.moe_intermediate_size)
     w.add_bos_token_id(config.bos_token_id)
     w.add_eos_token_id(config.eos_token_id)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
-    for name, tensor in tensors.items():
+    for name, tensor in _stacked_experts(tensors).items():
         data = tensor.float()
-        if kind == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
         if kind.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        kind_of = gguf_name.removesuffix(".weight").rpartition(".")[2] if data.ndim == 2 else None
+        kind_of = gguf_name.removesuffix(".weight").rpartition(".")[2] if data.ndim >= 2 else None
         if kind_of in GGUF_TYPES:
             qtype = gguf.GGMLQuantizationType[GGUF_TYPES[kind_of]]
             w.add_tensor(gguf_name, gguf.quants.quantize(data.numpy(), qtype), raw_dtype=qtype)
+            if reference_dir is not None:
+                held = gguf.quants.dequantize(gguf.quants.quantize(tensor.float().numpy(), qtype), qtype)
+                reference[name] = torch.from_numpy(held.copy())
         else:
             w.add_tensor(gguf_name, data.numpy())
+            reference[name] = tensor.float()
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if reference_dir is not None:
+        Path(reference_dir).mkdir(parents=True, exist_ok=True)
+        for file in Path(model_dir).iterdir():
+            if file.suffix != ".safetensors":
+                shutil.copy(file, Path(reference_dir) / file.name)
+        save_file(_unstacked_experts(reference), str(Path(reference_dir) / "model.safetensors"), metadata={"format": "pt"})
     return out_path
+
+
+def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`...experts.E.proj.weight` of every expert E as one `...experts.proj.weight` [experts, out, in]
+    (as llama.cpp's converter merges them), in the place of the first; the other tensors as they are."""
+    out: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        before, sep, after = name.partition(".experts.")
+        if sep:
+            expert, _, proj = after.partition(".")
+            group = out.setdefault(f"{before}.experts.{proj}", [])
+            assert int(expert) == len(group), name
+            group.append(tensor)
+        else:
+            out[name] = tensor
+    return {name: torch.stack(t) if isinstance(t, list) else t for name, t in out.items()}
+
+
+def _unstacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `_stacked_experts`: one tensor per expert, contiguous, as a checkpoint holds them."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        before, sep, proj = name.partition(".experts.")
+        if sep:
+            out.update({f"{before}.experts.{e}.{proj}": t.contiguous() for e, t in enumerate(tensor)})
+        else:
+            out[name] = tensor.contiguous()
+    return out
 
 
 def gguf_model_dir(gguf_path: Path, model_dir: Path, out_dir: Path) -> Path:

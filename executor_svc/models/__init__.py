@@ -25,15 +25,18 @@ _MODULES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model (no images)
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
-# the architecture of a config without `architectures` (a GGUF file's, read by transformers)
+# the architecture of a config without `architectures` (a GGUF file's, read by transformers or
+# from a MoE file's metadata by `gguf_config`)
 BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",

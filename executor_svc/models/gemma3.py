@@ -1,18 +1,43 @@
 """Gemma 3 (text): Gemma 2 with q/k norms instead of the attention soft cap, and its own RoPE for the
 sliding layers (`rope_parameters["sliding_attention"]`, the local base); five sliding layers to one
-full by default (`layer_types`)."""
+full by default (`layer_types`).
+
+`Gemma3ForConditionalGeneration` (the 4B/12B/27B checkpoints: `text_config` + `vision_config`)
+is served as its language model: the config's `text_config`, the weights under
+`language_model.model.*` / `model.language_model.*` (the layout depends on the transformers
+version that saved it) read as the text model's, the vision tower and projector skipped.
+"""
 
 from __future__ import annotations
 
+import logging
+
 from executor_svc.models import ModelFamily
 from executor_svc.models.hf_config import base_fields, check_activation, rope, unsupported
-from executor_svc.models.layers import FamilyConfig, FamilyDecoder, weight_target
+from executor_svc.models.layers import FamilyConfig, FamilyDecoder
+from executor_svc.models.layers import weight_target as text_weight_target
+
+log = logging.getLogger(__name__)
+
+MULTIMODAL = "Gemma3ForConditionalGeneration"
+# a multimodal checkpoint's language-model prefixes -> the text model's
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def read_config(hf, architecture: str) -> FamilyConfig:
+    top = hf
+    if architecture == MULTIMODAL:
+        log.info("%s: serving the text model only; images are not served (vision tower skipped)", architecture)
+        hf = top.get_text_config()
     if getattr(hf, "use_bidirectional_attention", False):
         raise unsupported("use_bidirectional_attention: only causal attention is supported")
     fields = base_fields(hf, architecture)
+    if top is not hf:  # what the multimodal config sets itself: the head's tying, the end tokens
+        fields["tie_word_embeddings"] = bool(getattr(top, "tie_word_embeddings", fields["tie_word_embeddings"]))
+        eos = getattr(top, "eos_token_id", None)
+        if eos is not None:
+            fields["eos_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     head_dim = fields["head_dim"]
     inv_freq, scaling, dim = rope(hf, head_dim, "full_attention")
     local_inv_freq, local_scaling, local_dim = rope(hf, head_dim, "sliding_attention")
@@ -32,6 +57,17 @@ def read_config(hf, architecture: str) -> FamilyConfig:
         attn_scale=hf.query_pre_attn_scalar**-0.5,
         final_logit_softcap=hf.final_logit_softcapping,
     )
+
+
+def weight_target(name: str, config: FamilyConfig):
+    """The text model's target (`layers.weight_target`) of a checkpoint tensor; a multimodal
+    checkpoint's language-model names are read as the text model's, its vision weights skipped."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, text in _TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return text_weight_target(text + name.removeprefix(prefix), config)
+    return text_weight_target(name, config)
 
 
 FAMILY = ModelFamily(read_config, FamilyDecoder, weight_target)

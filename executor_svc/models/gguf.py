@@ -1,7 +1,9 @@
-"""A GGUF file of a non-Llama family (Qwen3, Phi-3, Gemma 2, Gemma 3) into a `FamilyDecoder`.
+"""A GGUF file of a non-Llama family into a `FamilyDecoder`: architectures qwen3, qwen3moe, phi3,
+gemma2, gemma3, and "llama" with experts (Mixtral, as llama.cpp writes it).
 
 Llama-family files (llama, mistral, qwen2) go through `executor_svc.quant.gguf_loader` (and the
-CPU decode path). Here, as there, with `keep_blocks` every projection whose parts all have a
+CPU decode path); the MoE files' config is read from their metadata (`models.gguf_config`).
+Here, as there, with `keep_blocks` every projection whose parts all have a
 type the kernel supports becomes a `GGUFLinear` (q/k/v one module, a segment per run of equal
 types; Phi-3's `attn_qkv` and gate/up `ffn_up` as stored), the token embedding a
 `GGUFEmbedding` (rows dequantized as looked up) and, when tied, the LM head is the same blocks.
@@ -14,7 +16,11 @@ loading) into float parameters by its Hugging Face name, placed by the safetenso
 - Gemma's `ffn_norm` is the norm before the MLP, `post_attention_norm` / `post_ffw_norm` the
   norms after attention and the MLP; elsewhere `ffn_norm` is Llama's post-attention norm;
 - Phi-3's `attn_qkv` and `ffn_up` are the merged projections as its checkpoint stores them;
-- no q/k row permutation (llama.cpp permutes "llama" files only), so block rows are kept as stored.
+- q/k rows are permuted in "llama" files only (Mixtral): undone as `quant.gguf_loader` does, on
+  whole rows (byte rows for blocks); the other architectures' rows are kept as stored;
+- experts are 3-D tensors `blk.N.ffn_{gate,up,down}_exps` [experts, out, in] and the router
+  `ffn_gate_inp`: each expert's slice goes to `SparseMoE.experts_gate_up` / `experts_down`,
+  dequantized (each tensor once); only the attention projections keep their blocks.
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from executor_svc.models.gguf_config import is_moe_gguf
 from executor_svc.quant.gguf_linear import GGUFLinear, install_kept, packed_rows
+from executor_svc.quant.gguf_loader import unpermute_qk
 
 log = logging.getLogger(__name__)
 
-# GGUF architecture -> what its tensors are called (the name map of llama.cpp's converter)
-# (not qwen3moe: transformers' GGUF config of it has no `moe_intermediate_size`, so no reference reads one)
-ARCHITECTURES = ("qwen3", "phi3", "gemma2", "gemma3")
+# the GGUF architectures read here (and "llama" files with experts); what their tensors are
+# called (the name map of llama.cpp's converter)
+ARCHITECTURES = ("qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 _LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -47,7 +55,9 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
 }
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # mlp.experts.E.*
 _GEMMA_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
@@ -72,7 +82,8 @@ def projections(arch: str) -> dict[tuple[str, str], tuple[str, ...]]:
 
 
 def read_gguf(path: Path):
-    """(the file's reader, its architecture); an architecture not of `ARCHITECTURES` is refused."""
+    """(the file's reader, its architecture); an architecture not of `ARCHITECTURES` (or a "llama"
+    file without experts) is refused."""
     from gguf import GGUFReader
 
     from executor_svc.loader import UnsupportedModelError
@@ -80,13 +91,16 @@ def read_gguf(path: Path):
     reader = GGUFReader(str(path))
     field = reader.fields["general.architecture"]
     arch = bytes(field.parts[field.data[0]]).decode()
-    if arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"{path.name}: GGUF architecture {arch!r} (expected one of {ARCHITECTURES})")
+    if arch not in ARCHITECTURES and not is_moe_gguf(reader):
+        raise UnsupportedModelError(
+            f"{path.name}: GGUF architecture {arch!r} (expected one of {ARCHITECTURES}, or 'llama' with experts)"
+        )
     return reader, arch
 
 
-def hf_tensors(path: Path, reader, arch: str, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, str, object]]:
-    """(where, Hugging Face name, read) for every weight of the file not in `skip` (see `loader.fill_parameters`)."""
+def hf_tensors(path: Path, reader, arch: str, config, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, str, object]]:
+    """(where, Hugging Face name, read) for every weight of the file not in `skip` (see `loader.fill_parameters`);
+    an expert tensor yields one name per expert."""
     from executor_svc.loader import UnsupportedModelError
 
     gemma = arch.startswith("gemma")
@@ -95,7 +109,7 @@ def hf_tensors(path: Path, reader, arch: str, skip: frozenset[str] = frozenset()
         layer_names["ffn_up"] = "mlp.gate_up_proj"
 
     def values(t) -> torch.Tensor:
-        data = _floats(t)
+        data = _floats(t, arch, config)
         return data - 1.0 if gemma and t.name.endswith("norm.weight") else data
 
     for t in reader.tensors:
@@ -108,6 +122,10 @@ def hf_tensors(path: Path, reader, arch: str, skip: frozenset[str] = frozenset()
             yield where, f"{_GLOBAL[base]}.{suffix}", lambda t=t: values(t)
         elif parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
             yield where, f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}", lambda t=t: values(t)
+        elif parts[0] == "blk" and len(parts) == 3 and parts[2] in _EXPERTS and t.data.ndim == 3:
+            expert = _per_expert(lambda t=t: values(t))
+            for e in range(t.data.shape[0]):
+                yield where, f"model.layers.{parts[1]}.mlp.experts.{e}.{_EXPERTS[parts[2]]}.{suffix}", lambda e=e: expert(e)
         else:
             raise UnsupportedModelError(f"GGUF tensor {t.name} has no place in a {arch} model")
 
@@ -153,13 +171,14 @@ def load_family_gguf(path: Path, config, device: torch.device, dtype: torch.dtyp
     def linear_of(names: list[str]) -> tuple[GGUFLinear, list[str]]:
         biases = [n.removesuffix(".weight") + ".bias" for n in names]
         has_bias = all(b in tensors for b in biases)
-        bias = torch.cat([_floats(tensors[b]) for b in biases]) if has_bias else None
+        bias = torch.cat([_floats(tensors[b], arch, config) for b in biases]) if has_bias else None
         in_features = int(tensors[names[0]].shape[0])
-        return GGUFLinear(kernel, in_features, segments([tensors[n] for n in names]), bias), names + (biases if has_bias else [])
+        parts = [tensors[n] for n in names]
+        return GGUFLinear(kernel, in_features, segments(parts, arch, config), bias), names + (biases if has_bias else [])
 
     # FamilyDecoder reads lm_head when it is set: a tied head is the embedding's blocks
     consumed = install_kept(model, kept, linear_of, config.tie_word_embeddings, dtype)
-    fill_parameters(model, hf_tensors(path, reader, arch, frozenset(consumed)), str(path))
+    fill_parameters(model, hf_tensors(path, reader, arch, config, frozenset(consumed)), str(path))
     log.info(
         "%s: %s, %d of %d weights kept in GGUF blocks, %.1f MiB resident",
         path.name, config.architecture, len(consumed), len(tensors), weight_bytes(model) / 2**20,
@@ -167,18 +186,37 @@ def load_family_gguf(path: Path, config, device: torch.device, dtype: torch.dtyp
     return model
 
 
-def _floats(t) -> torch.Tensor:
+def _rows(t, arch: str, config) -> np.ndarray:
+    """The tensor's data as stored ([out, in] floats or [out, row_bytes] blocks; experts with a leading
+    expert dimension), a "llama" file's q/k rows unpermuted."""
+    return unpermute_qk(t.name, t.data, config) if arch == "llama" else t.data
+
+
+def _floats(t, arch: str, config) -> torch.Tensor:
     """The tensor dequantized into float32, a copy (the file is mapped read-only)."""
     from gguf.quants import dequantize
 
-    return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+    return torch.from_numpy(np.array(dequantize(_rows(t, arch, config), t.tensor_type), dtype=np.float32))
 
 
-def segments(parts: list) -> list[tuple[int, torch.Tensor]]:
+def _per_expert(read):
+    """expert(e) -> the e-th slice of `read()`, which runs once, at the first call."""
+    whole: list[torch.Tensor] = []
+
+    def expert(e: int) -> torch.Tensor:
+        if not whole:
+            whole.append(read())
+        return whole[0][e]
+
+    return expert
+
+
+def segments(parts: list, arch: str, config) -> list[tuple[int, torch.Tensor]]:
     """One (type, rows) segment per run of GGUF tensors of equal types, each copied once into its own tensor."""
     runs: list[tuple[int, list[np.ndarray]]] = []
     for t in parts:
-        rows = t.data.reshape(t.data.shape[0], -1)  # [out, row_bytes] blocks, as stored
+        data = _rows(t, arch, config)
+        rows = data.reshape(data.shape[0], -1)  # [out, row_bytes] blocks, as stored
         if runs and runs[-1][0] == int(t.tensor_type):
             runs[-1][1].append(rows)
         else:

@@ -74,6 +74,16 @@ def hf_name(gguf_name: str) -> str | None:
     raise UnsupportedModelError(f"GGUF tensor {gguf_name} has no place in the model")
 
 
+def unpermute_qk(name: str, rows: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """The rows of a "llama" file's tensor `name` in transformers' order: llama.cpp's converter
+    permutes q and k (and their biases) per head; any other tensor is returned as it is."""
+    if ".attn_q." not in name and ".attn_k." not in name:
+        return rows
+    heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+    half = rows.shape[0] // heads // 2  # as transformers' LlamaTensorProcessor._reverse_permute_weights
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
 class _File:
     """The tensors of a GGUF file by name, with transformers' q/k row order."""
 
@@ -90,11 +100,8 @@ class _File:
         """The tensor's rows as stored ([out, in] floats, or [out, row_bytes] blocks), q/k unpermuted."""
         data = self.tensors[name].data
         data = data.reshape(data.shape[0], -1) if data.ndim > 1 else data
-        c = self.config
-        if self.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
-            heads = c.num_heads if ".attn_q." in name else c.num_kv_heads
-            half = data.shape[0] // heads // 2  # as transformers' LlamaTensorProcessor._reverse_permute_weights
-            data = data.reshape(heads, half, 2, *data.shape[1:]).swapaxes(2, 1).reshape(data.shape)
+        if self.architecture == "llama":
+            data = unpermute_qk(name, data, self.config)
         return data
 
     def dequantized(self, name: str) -> torch.Tensor:

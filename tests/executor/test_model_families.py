@@ -7,11 +7,15 @@ prefix cache. Greedy tokens equal transformers' token for token; every computed 
 log-probabilities are within 1e-4 of transformers'. The sliding families keep their windows
 in their own KV cache groups, and transformers without the windows gives other tokens on
 these prompts (so the windows are tested). The families transformers reads from GGUF are
-also written as GGUF files and compared with transformers' reading of the same file.
+also written as GGUF files and compared with transformers' reading of the same file; the MoE
+families, which it cannot read, with transformers on the folder the file was written from
+holding the file's weights. `gemma3_mm` is a `Gemma3ForConditionalGeneration` (a tiny vision
+tower), compared on text with transformers' model of that class.
 """
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 
@@ -26,7 +30,19 @@ from scheduler_svc.core import Request, Scheduler, SchedulerConfig
 from tests.executor.plans import run_with_scheduler
 from tests.executor.test_model_runner import hf_greedy
 from tests.gguf_blocks import T
-from tests.model_families import FAMILIES, GGUF_ARCHITECTURES, GGUF_CONFIG, SLIDING, WINDOW, build_family, gguf_model_dir, load_reference, write_gguf
+from tests.model_families import (
+    FAMILIES,
+    GGUF_ARCHITECTURES,
+    GGUF_CONFIG,
+    MOE_GGUF_ARCHITECTURES,
+    MOE_GGUF_CONFIG,
+    SLIDING,
+    WINDOW,
+    build_family,
+    gguf_model_dir,
+    load_reference,
+    write_gguf,
+)
 
 GREEDY = SamplingParams(temperature=0.0)
 MAX_TOKENS = 24
@@ -103,7 +119,7 @@ def test_family_equals_transformers(kind, family_dirs, prompts):
     reference = load_reference(model_dir)
     runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=160)
     windows = {g.sliding_window for g in runner.kv_cache_groups}
-    assert windows == ({None, WINDOW} if kind in ("qwen2", "qwen3", "gemma2", "gemma3") else {WINDOW} if kind in SLIDING else {None})
+    assert windows == ({None, WINDOW} if kind in ("qwen2", "qwen3", "gemma2", "gemma3", "gemma3_mm") else {WINDOW} if kind in SLIDING else {None})
     assert_runner_equals_transformers(runner, reference, prompts)
     if kind in SLIDING:
         unwindowed = load_reference(model_dir, sliding_window=10_000)  # wider than any sequence here
@@ -131,6 +147,96 @@ def test_family_gguf_file_equals_transformers_reading_it(kind, tmp_path, default
     if kind == "gemma2":  # the window survives the file (attention.sliding_window)
         assert {g.sliding_window for g in runner.kv_cache_groups} == {None, WINDOW}
     assert_runner_equals_transformers(runner, reference, prompts)
+
+
+@pytest.mark.parametrize("kind", list(MOE_GGUF_ARCHITECTURES))
+def test_moe_gguf_file_equals_transformers_on_the_weights_it_holds(kind, tmp_path, default_model_dir, prompts):
+    """A Qwen3-MoE (`qwen3moe`) or Mixtral ("llama" with experts) GGUF file of quantized blocks, its
+    config read from the metadata: the same tokens and log-probabilities as transformers on the
+    folder it was written from with the file's weights (transformers cannot read these files).
+    The attention projections keep their blocks (q/k of the Mixtral file unpermuted), the experts
+    and the router are floats; the top-k weights are renormalised and no window is set, as llama.cpp does."""
+    from executor_svc.models.layers import SparseMoE
+
+    hf_dir, gguf_dir, reference_dir = tmp_path / "hf", tmp_path / "gguf", tmp_path / "reference"
+    build_family(kind, hf_dir, default_model_dir, **MOE_GGUF_CONFIG[kind])
+    path = write_gguf(kind, hf_dir, tmp_path / f"tiny-{kind}.gguf", reference_dir)
+    reference = load_reference(reference_dir)
+    runner = ModelRunner(gguf_model_dir(path, hf_dir, gguf_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=160)
+    config = runner.config
+    assert config.architecture == load_config(hf_dir).architecture
+    assert config.norm_topk_prob and config.sparse_layers == (True,) * config.num_layers
+    assert {g.sliding_window for g in runner.kv_cache_groups} == {None}
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in runner.model.layers)
+    if get_kernel() is not None:
+        assert runner.quantization == "gguf"
+        qkv = [layer.self_attn.qkv_proj for layer in runner.model.layers]
+        assert all(isinstance(m, GGUFLinear) and m.types == [T.Q8_0, T.Q4_1] for m in qkv)
+        assert isinstance(runner.model.embed_tokens, GGUFEmbedding) and isinstance(runner.model.lm_head, GGUFLinear)
+    assert_runner_equals_transformers(runner, reference, prompts)
+
+
+def test_gemma3_multimodal_checkpoint_of_the_newer_layout_serves_its_language_model(family_dirs, tmp_path, prompts):
+    """`Gemma3ForConditionalGeneration` as transformers >= 4.52 names it (`model.language_model.*`,
+    `model.vision_tower.*`, `lm_head`) serves the same text model as the older layout
+    (`language_model.model.*`, the layout `test_family_equals_transformers[gemma3_mm]` reads)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    older = family_dirs["gemma3_mm"]
+    for file in older.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, tmp_path / file.name)
+    renamed = {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
+               "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."}
+    tensors = {}
+    for name, tensor in load_file(str(older / "model.safetensors")).items():
+        prefix = next(p for p in renamed if name.startswith(p))
+        tensors[renamed[prefix] + name.removeprefix(prefix)] = tensor
+    assert any(name.startswith("model.vision_tower.") for name in tensors)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    runner = ModelRunner(tmp_path, device="cpu", dtype="float32", block_size=4, num_kv_blocks=160)
+    assert runner.config.architecture == "Gemma3ForConditionalGeneration"
+    assert_runner_equals_transformers(runner, load_reference(older), prompts)
+
+
+def _metadata_only_gguf(path, arch: str, **keys) -> None:
+    """A GGUF file of `arch` with a MoE model's metadata (`keys` more) and only a token embedding."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    for key, value in keys.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((256, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys", "named"),
+    [
+        ("qwen2moe", {}, "'qwen2_moe' is not supported"),  # transformers reads it; no family of ours
+        ("llama", {"expert_shared_count": 1}, "llama.expert_shared_count: shared experts"),
+        ("qwen3moe", {"rope_scaling_type": gguf.RopeScalingType.YARN}, "qwen3moe.rope.scaling.type 'yarn'"),
+    ],
+)
+def test_moe_gguf_file_we_cannot_serve_is_refused_in_one_line_naming_why(arch, keys, named, tmp_path):
+    _metadata_only_gguf(tmp_path / "moe.gguf", arch, **keys)
+    with pytest.raises(UnsupportedModelError) as error:
+        load_config(tmp_path / "moe.gguf")
+    assert "\n" not in str(error.value) and named in str(error.value)
 
 
 def assert_blocks_kept(model, merged: bool) -> None:
