@@ -34,7 +34,9 @@ from kernels.activation import silu_and_mul
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_pair_ids, block_expert_ids, num_padded_pairs) for `topk_ids` [num_tokens, top_k].
 
     `sorted_pair_ids` [max_padded] int32: the pairs grouped by expert (in pair order within
@@ -47,7 +49,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     expert_of_pair = topk_ids.flatten().to(torch.int64)
     num_pairs = expert_of_pair.numel()
     # (not bincount: on CUDA it reads the largest id back to size its output)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))
     padded_counts = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded_counts.cumsum(0)
     max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
@@ -173,19 +176,33 @@ def fused_moe(
     if activation != "silu":
         raise ValueError(f"fused_moe: activation must be 'silu', got {activation!r}")
     if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"fused_moe: x must be [num_tokens, hidden] with a unit last stride, got {tuple(x.shape)} {x.stride()}")
+        raise ValueError(
+            f"fused_moe: x must be [num_tokens, hidden] with a unit last stride, got {tuple(x.shape)} {x.stride()}"
+        )
     if x.dtype not in _FLOAT_DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
-        raise ValueError(f"fused_moe: x, w_gate_up, w_down must share one of {_FLOAT_DTYPES}, got {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
+        raise ValueError(
+            f"fused_moe: x, w_gate_up, w_down must share one of {_FLOAT_DTYPES}, "
+            f"got {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}"
+        )
     num_tokens, hidden = x.shape
     if w_gate_up.dim() != 3 or w_gate_up.shape[2] != hidden or w_gate_up.shape[1] % 2:
-        raise ValueError(f"fused_moe: w_gate_up must be [num_experts, 2 * intermediate, {hidden}], got {tuple(w_gate_up.shape)}")
+        raise ValueError(
+            f"fused_moe: w_gate_up must be [num_experts, 2 * intermediate, {hidden}], got {tuple(w_gate_up.shape)}"
+        )
     num_experts, intermediate = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     if tuple(w_down.shape) != (num_experts, hidden, intermediate):
-        raise ValueError(f"fused_moe: w_down must be [{num_experts}, {hidden}, {intermediate}], got {tuple(w_down.shape)}")
+        raise ValueError(
+            f"fused_moe: w_down must be [{num_experts}, {hidden}, {intermediate}], got {tuple(w_down.shape)}"
+        )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_ids.dtype.is_floating_point:
-        raise ValueError(f"fused_moe: topk_ids must be integer [{num_tokens}, top_k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"fused_moe: topk_ids must be integer [{num_tokens}, top_k], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+        )
     if topk_weights.shape != topk_ids.shape or not topk_weights.dtype.is_floating_point:
-        raise ValueError(f"fused_moe: topk_weights must be float {tuple(topk_ids.shape)}, got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+        raise ValueError(
+            f"fused_moe: topk_weights must be float {tuple(topk_ids.shape)}, "
+            f"got {topk_weights.dtype} {tuple(topk_weights.shape)}"
+        )
     devices = {t.device for t in (x, w_gate_up, w_down, topk_weights, topk_ids)}
     if len(devices) != 1:
         raise ValueError(f"fused_moe: all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -200,7 +217,8 @@ def fused_moe(
     block_k = block_k or _default_block(min(hidden, intermediate), 64)
     alignment = moe_align_block_size(topk_ids, num_experts, block_m)
     gate_up = torch.empty(num_tokens * top_k, 2 * intermediate, dtype=x.dtype, device=x.device)
-    _grouped_gemm(gate_up, x, w_gate_up, alignment, top_k, None, block_m, block_n or _default_block(2 * intermediate, 64), block_k)
+    block_n_gate_up = block_n or _default_block(2 * intermediate, 64)
+    _grouped_gemm(gate_up, x, w_gate_up, alignment, top_k, None, block_m, block_n_gate_up, block_k)
     act = silu_and_mul(gate_up)
     down = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.flatten().to(torch.float32).contiguous()

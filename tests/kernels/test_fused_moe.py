@@ -81,10 +81,9 @@ def test_default_blocks_give_the_same_result(device):
     w_gate_up = torch.randn(4, 2 * INTERMEDIATE, HIDDEN, device=device) * 0.2
     w_down = torch.randn(4, HIDDEN, INTERMEDIATE, device=device) * 0.2
     topk_weights, topk_ids = routed(9, 4, 2, device)
-    torch.testing.assert_close(
-        fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids), fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, **BLOCKS),
-        atol=1e-5, rtol=1e-5,
-    )
+    default = fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    small = fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, **BLOCKS)
+    torch.testing.assert_close(default, small, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -100,8 +99,11 @@ def test_default_blocks_give_the_same_result(device):
 )
 def test_refuses_bad_input_naming_it(change, message):
     args = dict(
-        x=torch.zeros(3, HIDDEN), w_gate_up=torch.zeros(4, 2 * INTERMEDIATE, HIDDEN), w_down=torch.zeros(4, HIDDEN, INTERMEDIATE),
-        topk_weights=torch.zeros(3, 2), topk_ids=torch.zeros(3, 2, dtype=torch.int64),
+        x=torch.zeros(3, HIDDEN),
+        w_gate_up=torch.zeros(4, 2 * INTERMEDIATE, HIDDEN),
+        w_down=torch.zeros(4, HIDDEN, INTERMEDIATE),
+        topk_weights=torch.zeros(3, 2),
+        topk_ids=torch.zeros(3, 2, dtype=torch.int64),
     )
     with pytest.raises(ValueError, match=message):
         fused_moe(**(args | change))
@@ -153,11 +155,11 @@ def moe_config(hidden: int, num_experts: int, top_k: int, intermediate: int, nor
     from executor_svc.models.layers import FamilyConfig
 
     return FamilyConfig(
-        architecture="Qwen3MoeForCausalLM", vocab_size=8, hidden_size=hidden, intermediate_size=4 * hidden, num_layers=1,
-        num_heads=1, num_kv_heads=1, head_dim=hidden, rms_norm_eps=1e-6, max_position_embeddings=8, tie_word_embeddings=False,
-        qkv_bias=False, o_bias=False, mlp_bias=False, inv_freq=(1.0,), rope_attention_scaling=1.0, sliding_window=None,
-        eos_token_ids=(), num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=intermediate,
-        norm_topk_prob=norm_topk_prob,
+        architecture="Qwen3MoeForCausalLM", vocab_size=8, hidden_size=hidden, intermediate_size=4 * hidden,
+        num_layers=1, num_heads=1, num_kv_heads=1, head_dim=hidden, rms_norm_eps=1e-6, max_position_embeddings=8,
+        tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, inv_freq=(1.0,),
+        rope_attention_scaling=1.0, sliding_window=None, eos_token_ids=(), num_experts=num_experts,
+        num_experts_per_tok=top_k, moe_intermediate_size=intermediate, norm_topk_prob=norm_topk_prob,
     )
 
 
@@ -167,8 +169,10 @@ def moe_config(hidden: int, num_experts: int, top_k: int, intermediate: int, nor
         # on CPU (the interpreter) the kernel only when forced; on CUDA the default route
         ((HIDDEN, 8, 2, INTERMEDIATE, False), (1, 7, 33), True),
         # a Qwen3-30B-A3B-sized block: hidden 2048, 128 experts of 768, top 8
-        pytest.param((2048, 128, 8, 768, True), (1, 300), None,
-                     marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="the default route takes the kernel on CUDA only")),
+        pytest.param(
+            (2048, 128, 8, 768, True), (1, 300), None,
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel is the default on CUDA only"),
+        ),
     ],
     ids=["forced", "cuda-default"],
 )
