@@ -119,10 +119,11 @@ def moe_family_dirs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_sparse_moe_on_the_kernel_equals_transformers(kind, moe_family_dirs, monkeypatch):
-    """A tiny Qwen3-MoE (top 2 not renormalised, a dense layer) and Mixtral (renormalised) on CPU,
-    every `SparseMoE` forced onto the kernel (`fused=True`, the interpreter): a 21-token prompt in
-    chunks of 8 and 4 greedy tokens equal transformers', every row's log-probabilities within 1e-4."""
+def test_sparse_moe_on_the_kernel_equals_transformers(kind, moe_family_dirs, device, monkeypatch):
+    """A tiny Qwen3-MoE (top 2 not renormalised, a dense layer) and Mixtral (renormalised), float32,
+    every `SparseMoE` forced onto the kernel (`fused=True`; on CPU tensors, the interpreter): a
+    21-token prompt in chunks of 8 and 4 greedy tokens equal transformers', every row's
+    log-probabilities within 1e-4."""
     from executor_svc.model_runner import ModelRunner
     from executor_svc.models.layers import SparseMoE
     from pagoda.step import SamplingParams
@@ -132,7 +133,7 @@ def test_sparse_moe_on_the_kernel_equals_transformers(kind, moe_family_dirs, mon
     from tests.model_families import load_reference
 
     model_dir = moe_family_dirs[kind]
-    runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=32)
+    runner = ModelRunner(model_dir, device=str(device), dtype="float32", block_size=4, num_kv_blocks=32)
     moes = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
     assert len(moes) == (3 if kind == "qwen3_moe" else 4)
     for moe in moes:
@@ -148,7 +149,7 @@ def test_sparse_moe_on_the_kernel_equals_transformers(kind, moe_family_dirs, mon
     tokens = prompt + request.output_token_ids
     with torch.no_grad():
         theirs = reference(torch.tensor([tokens[:-1]])).logits[0].log_softmax(-1)
-    torch.testing.assert_close(torch.cat(rows["r"]).log_softmax(-1), theirs, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(rows["r"]).cpu().log_softmax(-1), theirs, atol=1e-4, rtol=1e-5)
 
 
 def moe_config(hidden: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool):
