@@ -6,6 +6,7 @@
     from kernels.rms_norm import rms_norm, fused_add_rms_norm
     from kernels.rotary import rotary_embedding
     from kernels.activation import silu_and_mul
+    from kernels.fused_moe import fused_moe
 
 Launchers validate shapes, strides, dtypes and devices, then launch; torch references
 live in `tests/kernels`. On a machine without CUDA they run under the Triton interpreter

@@ -29,6 +29,7 @@ mkdir -p "$out"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "environment check failed: see $out/env.txt"; exit 2; }
 
 echo "== kernel tests on CUDA"
+# (test_fused_moe.py: the fused-MoE kernel at a Qwen3-30B-A3B-sized block, SparseMoE's default CUDA route, against the expert loop)
 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --durations=10 2>&1 | tee "$out/pytest.txt"
 tests=${PIPESTATUS[0]}
 

@@ -19,6 +19,8 @@ residual add of the next norm), as `DecoderModel` does.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -131,12 +133,19 @@ class GatedMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router softmax (float32) -> top-k -> renormalised if `norm_topk_prob`; each expert runs on the
-    tokens routed to it (one grouped matmul pair per expert hit), weighted, summed in expert order."""
+    """Router softmax (float32) -> top-k -> renormalised if `norm_topk_prob`; then the experts.
 
-    def __init__(self, c: FamilyConfig, dtype: torch.dtype) -> None:
+    Two routes to the same numbers: the Triton fused-MoE kernel (`kernels.fused_moe`: two grouped
+    GEMM launches over the tokens sorted by expert, fp32 accumulation) or the expert loop (one
+    matmul pair per expert hit, weighted, summed in expert order). `fused` picks: None (the
+    default) takes the kernel for CUDA tensors when Triton is installed, the loop otherwise;
+    True or False forces one (True on CPU tensors runs the kernel in Triton's interpreter).
+    """
+
+    def __init__(self, c: FamilyConfig, dtype: torch.dtype, fused: bool | None = None) -> None:
         super().__init__()
         self.config = c
+        self.fused = fused
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False, dtype=dtype)
         inter = c.moe_intermediate_size
         self.experts_gate_up = nn.Parameter(torch.empty(c.num_experts, 2 * inter, c.hidden_size, dtype=dtype))
@@ -150,6 +159,10 @@ class SparseMoE(nn.Module):
         top_weights, top_experts = torch.topk(probs, c.num_experts_per_tok, dim=-1)
         if c.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        if self.fused if self.fused is not None else x.is_cuda and _triton_installed():
+            from kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.experts_gate_up, self.experts_down, top_weights, top_experts, c.hidden_act)
         top_weights = top_weights.to(router_logits.dtype)
         out = torch.zeros_like(x)
         for expert in torch.unique(top_experts).tolist():
@@ -158,6 +171,11 @@ class SparseMoE(nn.Module):
             h = F.linear(self.act(gate) * up, self.experts_down[expert])
             out.index_add_(0, token_ids, h * top_weights[token_ids, slot, None])
         return out
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 class FamilyLayer(nn.Module):
@@ -199,7 +217,7 @@ class FamilyDecoder(nn.Module):
     """Embedding (scaled for Gemma), `FamilyLayer`s, final norm, LM head (soft-capped for Gemma 2).
 
     The same interface as `DecoderModel` (forward -> (hidden, residual), compute_logits);
-    no tensor parallelism, no fused ops, no CPU decode path.
+    no tensor parallelism, no fused ops but the MoE kernel on CUDA (`SparseMoE`), no CPU decode path.
     """
 
     def __init__(self, config: FamilyConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel | None = None) -> None:
