@@ -148,7 +148,7 @@ class Backend:
     def forward(self, model, input_ids, positions, kv_caches, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) of one step: the C decode step where it takes the step, else the modules."""
         step = self.decode_step
-        if step is not None and step.model is model and step.attention is self.attention and not isinstance(meta, tuple):
+        if step is not None and step.model is model and step.attention is self.attention:
             out = step.forward(input_ids, positions, kv_caches, meta)
             if out is not None:
                 return out

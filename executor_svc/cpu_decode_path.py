@@ -44,32 +44,46 @@ F32 = 4  # bytes
 
 @dataclass(frozen=True)
 class _Linear:
-    ggml_type: int
-    weight: int  # data_ptr of the packed blocks
-    row_bytes: int
+    segments: tuple[tuple[int, int, int, int], ...]  # (ggml_type, data_ptr of the packed blocks, row_bytes, rows)
     out_features: int
     in_features: int
 
 
 def _linear(module) -> _Linear | None:
-    if not isinstance(module, GGUFLinear) or len(module.types) != 1 or module.bias is not None:
+    if not isinstance(module, GGUFLinear) or module.bias is not None:
         return None
-    packed = module.packed0
-    return _Linear(module.types[0], packed.data_ptr(), packed.shape[1], module.out_features, module.in_features)
+    segments = tuple((t, p.data_ptr(), p.shape[1], p.shape[0]) for t, p in module.segments)
+    return _Linear(segments, module.out_features, module.in_features)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    norms: tuple[int, ...]  # float32 weights: input, post-attention (+ pre- and post-feedforward: sandwich)
+    qk_norms: tuple[int, int] | None  # q_norm, k_norm over head_dim (Qwen3, Gemma 3)
+    gelu: bool  # GeGLU (tanh approximation), else SwiGLU
+    local_rope: bool  # Gemma 3's sliding layers: their own rotary tables
+    window: int | None  # a sliding layer: the step is declined once a sequence is longer than it
+    scale: float
 
 
 class CpuDecodePath:
     def __init__(
-        self, model: DecoderModel, attention: TorchBackend, library: ctypes.CDLL, layers: list[tuple], max_rows: int,
-        norms: list[torch.Tensor],
+        self, model, attention: TorchBackend, library: ctypes.CDLL, layers: list[_Layer], max_rows: int,
+        norms: list[torch.Tensor], sandwich: bool,
     ) -> None:
         self.model = model
-        self._norms = norms  # the float32 norm weights the layers' pointers read (copies, for a bfloat16 model)
+        self._norms = norms  # the float32 norm weights the layers' pointers read (copies where not float32 already)
         self.attention = attention
         self.max_rows = max_rows
+        self.sandwich = sandwich
         self._ops = library
-        self._layers = layers  # per layer: (qkv, o, gate_up, down, input norm ptr, post-attention norm ptr)
-        self._gguf = model.layers[0].qkv_proj.kernel.matmul_fn
+        self._layers = layers
+        kernel = next(m for m in model.modules() if isinstance(m, GGUFLinear)).kernel
+        self._gguf, self._gguf_strided = kernel.matmul_fn, kernel.matmul_strided_fn
         self._kernel = attention.decode_kernel
         # per cache dtype: (the C K/V write, the C decode attention)
         self._cache_calls = {
@@ -77,16 +91,22 @@ class CpuDecodePath:
             torch.bfloat16: (library.pagoda_write_kv_bf16, self._kernel.c_function(torch.bfloat16)),
         }
         c = model.config
+        self._windows = {layer.window for layer in layers} - {None}
+        self._embed_scale = getattr(c, "embed_scale", None)
         # the GGUF kernel's scratch (x's block sums): one call at a time
-        self._scratch = torch.empty(max_rows * max(c.hidden_size, c.intermediate_size) // 32, dtype=torch.float32)
+        self._scratch = torch.empty(max_rows * max(c.hidden_size, c.intermediate_size, c.q_size) // 32, dtype=torch.float32)
 
     @classmethod
     def build(cls, model, attention, library: ctypes.CDLL, max_rows: int) -> CpuDecodePath | None:
         """The path for `model` through `attention`'s decode kernel and the C ops of `library`
         (`fused_ops.cpu_ops_library()`), or None where some part of it is not what the C calls expect.
 
-        Only Llama-family models (`DecoderModel`) with full attention on every layer: the other
-        families (`executor_svc.models.layers.FamilyDecoder`) and sliding windows go through the modules.
+        Llama-family models (`DecoderModel`) and the dense families of `FamilyDecoder` whose layers
+        the C ops cover: Qwen3 (q/k norms), Phi-3 (merged projections as stored), Gemma 3 (Gemma's
+        1 + w norms as float32 weights, sandwich norms, GeGLU, the embedding scale, its sliding
+        layers' own rotary tables). Declined at build: mixture-of-experts layers, attention soft
+        caps (Gemma 2), partial rotary, biases; declined per step: a sequence longer than a
+        sliding layer's window (those steps go through the modules, which read the window).
 
         A bfloat16 model (`--dtype bfloat16`) takes it too, computing in float32 as a float32 model
         does (its GGUF linears run the same float32 kernel at these row counts; the norm weights are
@@ -94,8 +114,13 @@ class CpuDecodePath:
         rounds them: its decode steps are then as fast as float32's, slightly more precise than its
         modules (which round every activation to bfloat16), within the bound `tests/executor/test_bf16.py` checks.
         """
+        from executor_svc.models.layers import FamilyDecoder, GatedMLP
+
         c = model.config
-        if type(model) is not DecoderModel or any(w is not None for w in c.layer_windows):
+        family = type(model) is FamilyDecoder
+        if type(model) is not DecoderModel and not family:
+            return None
+        if type(model) is DecoderModel and any(w is not None for w in c.layer_windows):
             return None
         if (
             library is None or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16)
@@ -104,47 +129,109 @@ class CpuDecodePath:
             or c.head_dim % 2 or c.num_heads % c.num_kv_heads or max_rows < 1
         ):
             return None
+        if family and (
+            c.attn_logit_softcap is not None or c.rotary_dim not in (None, c.head_dim)
+            or c.hidden_act not in ("silu", "gelu_pytorch_tanh", "gelu_tanh")
+        ):
+            return None
+        sandwich = family and c.sandwich_norms
+        gemma = family and c.gemma_norm
         shapes = (  # (in, out) of q/k/v, o, gate/up, down
             (c.hidden_size, c.q_size + 2 * c.kv_size), (c.q_size, c.hidden_size),
             (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size),
         )
-        layers, kept = [], []
+        kept: list[torch.Tensor] = []
+
+        def norm_ptr(norm) -> int:
+            w = norm.weight.detach().float()
+            w = (1.0 + w) if gemma else w.contiguous()  # Gemma's scale 1 + w, added in float32 as its norm does
+            kept.append(w)
+            return w.data_ptr()
+
+        layers = []
         for layer in model.layers:
-            linears = [_linear(getattr(layer, name)) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+            attn, mlp = (layer.self_attn, layer.mlp) if family else (layer, layer)
+            if family and type(mlp) is not GatedMLP:
+                return None
+            linears = [_linear(getattr(owner, name)) for owner, name in
+                       ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj"))]
             if any(x is None or (x.in_features, x.out_features) != shape for x, shape in zip(linears, shapes)):
                 return None
-            norms = [w.detach().float().contiguous() for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
-            kept += norms
-            layers.append((*linears, norms[0].data_ptr(), norms[1].data_ptr()))
-        log.info("CPU decode path: %d layers as C calls (%s model)", len(layers), model.dtype)
-        return cls(model, attention, library, layers, max_rows, kept)
+            names = ["input_layernorm", "post_attention_layernorm"]
+            if sandwich:
+                names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+            norms = tuple(norm_ptr(getattr(layer, name)) for name in names)
+            qk = (norm_ptr(attn.q_norm), norm_ptr(attn.k_norm)) if family and c.qk_norm else None
+            layers.append(_Layer(
+                *linears, norms=norms, qk_norms=qk, gelu=family and c.hidden_act != "silu",
+                local_rope=family and layer.local_rope, window=layer.sliding_window if family else None,
+                scale=attn.scale,
+            ))
+        log.info("CPU decode path: %d layers as C calls (%s, %s)", len(layers), type(model).__name__, model.dtype)
+        return cls(model, attention, library, layers, max_rows, kept, sandwich)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> tuple | None:
-        """(hidden, residual) as `DecoderModel.forward` returns them, or None: this step is not for this path."""
-        rows = input_ids.shape[0]
-        if rows > self.max_rows or meta.max_query_len != 1:
-            return None
-        attention = self.attention
-        k_cache0 = kv_caches[0][0]
-        block_size = k_cache0.shape[1]
-        layout = attention.step_layout(meta, block_size)
+    def _matmul(self, linear: _Linear, x: int, rows: int, y: int) -> None:
+        """y [rows, out] = x @ W.T: one C call a segment (a merged projection's parts of other types write their columns)."""
+        if len(linear.segments) == 1:
+            ggml_type, weight, row_bytes, _ = linear.segments[0]
+            self._gguf(ggml_type, weight, row_bytes, linear.out_features, linear.in_features, x, rows, self._scratch_ptr, y)
+            return
+        start = 0
+        for ggml_type, weight, row_bytes, n in linear.segments:
+            self._gguf_strided(ggml_type, weight, row_bytes, n, linear.in_features, x, rows, self._scratch_ptr,
+                               y + start * F32, linear.out_features)
+            start += n
+
+    def _layout(self, meta, block_size: int):
+        """(slots, table, lens, group) of a decode-only step the C calls take, or None."""
+        layout = self.attention.step_layout(meta, block_size)
         if layout.write_rows is not None or len(layout.groups) != 1:
             return None
         group = layout.groups[0]
+        if group.kernel_lens is None or group.token_rows != slice(None):
+            return None
+        slots, table = layout.write_slots, group.block_table
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or table.stride(1) != 1:
+            return None
+        return slots, table, group.kernel_lens, group
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> tuple | None:
+        """(hidden, residual) as the model's forward returns them, or None: this step is not for this path.
+
+        `meta`: one for every layer, or one per layer (each layer's KV cache group's)."""
+        rows = input_ids.shape[0]
+        metas = meta if isinstance(meta, tuple) else (meta,) * len(self._layers)
+        first = metas[0]
+        if rows > self.max_rows or first.max_query_len != 1:
+            return None
+        if any(first.max_seq_len > w for w in self._windows):
+            return None  # a window moved: the modules read it (windowed.attend)
+        k_cache0 = kv_caches[0][0]
+        block_size = k_cache0.shape[1]
         calls = self._cache_calls.get(k_cache0.dtype)
-        if group.kernel_lens is None or group.token_rows != slice(None) or calls is None:
+        if calls is None:
             return None
         write_kv, attend = calls
+        layouts = {}
+        for m in metas:
+            if id(m) not in layouts:
+                layouts[id(m)] = self._layout(m, block_size)
+                if layouts[id(m)] is None or m.max_query_len != 1:
+                    return None
         model, c = self.model, self.model.config
         q_size, kv_size, inter, hid = c.q_size, c.kv_size, c.intermediate_size, c.hidden_size
         qkv_width = q_size + 2 * kv_size
         eps = c.rms_norm_eps
 
-        residual = model.embed_tokens(input_ids).float()  # [T, hidden], fresh: it becomes the residual stream
+        embedded = model.embed_tokens(input_ids)
+        if self._embed_scale is not None:  # in the model's dtype, as the modules scale it
+            embedded = embedded * torch.tensor(self._embed_scale, dtype=embedded.dtype)
+        residual = embedded.float()  # [T, hidden], fresh: it becomes the residual stream
         if not residual.is_contiguous():
             return None
-        cos = model.rotary_cos.index_select(0, positions)
-        sin = model.rotary_sin.index_select(0, positions)
+        tables = {False: (model.rotary_cos.index_select(0, positions), model.rotary_sin.index_select(0, positions))}
+        if any(layer.local_rope for layer in self._layers):
+            tables[True] = (model.local_cos.index_select(0, positions), model.local_sin.index_select(0, positions))
         hidden = torch.empty(rows, hid)
         normed = torch.empty(rows, hid)
         qkv = torch.empty(rows, qkv_width)
@@ -152,48 +239,61 @@ class CpuDecodePath:
         attn = torch.empty(rows, q_size)
         gate_up = torch.empty(rows, 2 * inter)
         act = torch.empty(rows, inter)
+        side = torch.empty(rows, hid) if self.sandwich else None  # a sandwich norm's output
         scratch = torch.empty(c.num_heads * (block_size + 2))
-        slots = layout.write_slots
-        table, lens = group.block_table, group.kernel_lens
-        if slots.dtype != torch.int64 or not slots.is_contiguous() or table.stride(1) != 1:
-            return None
+        self._scratch_ptr = self._scratch.data_ptr()
 
-        ops, gguf = self._ops, self._gguf
+        ops, matmul = self._ops, self._matmul
         rms_norm, add_rms_norm = ops.pagoda_rms_norm, ops.pagoda_add_rms_norm
-        rotary, silu_and_mul = ops.pagoda_rotary_neox, ops.pagoda_silu_and_mul
+        rotary, silu_and_mul, gelu_and_mul = ops.pagoda_rotary_neox, ops.pagoda_silu_and_mul, ops.pagoda_gelu_tanh_and_mul
+        rms_norm_heads = ops.pagoda_rms_norm_heads
         R, H, N = residual.data_ptr(), hidden.data_ptr(), normed.data_ptr()
         QKV, Q, A, GU, ACT = qkv.data_ptr(), q.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr()
+        SIDE = side.data_ptr() if side is not None else 0
         K, V = QKV + q_size * F32, QKV + (q_size + kv_size) * F32
-        COS, SIN, SLOTS, S = cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), self._scratch.data_ptr()
-        TABLE, TABLE_STRIDE, LENS, SCRATCH = table.data_ptr(), table.stride(0), lens.data_ptr(), scratch.data_ptr()
-        heads, kv_heads, head_dim, scale = c.num_heads, c.num_kv_heads, c.head_dim, model.layers[0].scale
-        num_seqs = lens.shape[0]
-        one_thread = meta.max_seq_len * num_seqs <= ONE_THREAD_KEYS
-        kernel, split = self._kernel, group.kernel_split
+        ROPE = {local: (cos.data_ptr(), sin.data_ptr()) for local, (cos, sin) in tables.items()}
+        SCRATCH = scratch.data_ptr()
+        heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        kernel = self._kernel
         q_heads = q.view(rows, heads, head_dim)
+        sandwich = self.sandwich
 
-        for i, ((qkv_w, o_w, gu_w, down_w, norm1, norm2), (k_cache, v_cache)) in enumerate(
-            zip(self._layers, kv_caches, strict=True)
-        ):
+        for i, (layer, (k_cache, v_cache), m) in enumerate(zip(self._layers, kv_caches, metas, strict=True)):
+            slots, table, lens, group = layouts[id(m)]
+            num_seqs = lens.shape[0]
             KC, VC = k_cache.data_ptr(), v_cache.data_ptr()
+            norms = layer.norms
             if i == 0:
-                rms_norm(R, hid, norm1, N, rows, hid, eps)
+                rms_norm(R, hid, norms[0], N, rows, hid, eps)
             else:
-                add_rms_norm(H, hid, R, hid, norm1, N, R, rows, hid, eps)
-            gguf(qkv_w.ggml_type, qkv_w.weight, qkv_w.row_bytes, qkv_width, hid, N, rows, S, QKV)
+                add_rms_norm(H, hid, R, hid, norms[0], N, R, rows, hid, eps)
+            matmul(layer.qkv, N, rows, QKV)
+            if layer.qk_norms is not None:
+                rms_norm_heads(QKV, qkv_width, heads, head_dim, layer.qk_norms[0], rows, eps)
+                rms_norm_heads(K, qkv_width, kv_heads, head_dim, layer.qk_norms[1], rows, eps)
+            COS, SIN = ROPE[layer.local_rope]
             rotary(QKV, qkv_width, Q, q_size, rows, heads, head_dim, COS, SIN)
             rotary(K, qkv_width, K, qkv_width, rows, kv_heads, head_dim, COS, SIN)
-            write_kv(K, V, qkv_width, KC, VC, SLOTS, rows, kv_size)
-            if one_thread:
-                attend(Q, KC, VC, TABLE, TABLE_STRIDE, LENS, A, SCRATCH, heads, kv_heads, head_dim, block_size, scale, 0, num_seqs)
+            write_kv(K, V, qkv_width, KC, VC, slots.data_ptr(), rows, kv_size)
+            if m.max_seq_len * num_seqs <= ONE_THREAD_KEYS:
+                attend(Q, KC, VC, table.data_ptr(), table.stride(0), lens.data_ptr(), A, SCRATCH, heads, kv_heads,
+                       head_dim, block_size, layer.scale, 0, num_seqs)
                 out = A
             else:
                 # (split_out stays alive until o_proj has read it)
-                split_out = kernel(q_heads, k_cache, v_cache, table, lens, scale, split)
+                split_out = kernel(q_heads, k_cache, v_cache, table, lens, layer.scale, group.kernel_split)
                 out = split_out.data_ptr()
-            gguf(o_w.ggml_type, o_w.weight, o_w.row_bytes, hid, q_size, out, rows, S, H)
-            add_rms_norm(H, hid, R, hid, norm2, N, R, rows, hid, eps)
-            gguf(gu_w.ggml_type, gu_w.weight, gu_w.row_bytes, 2 * inter, hid, N, rows, S, GU)
-            silu_and_mul(GU, rows, inter, ACT)
-            gguf(down_w.ggml_type, down_w.weight, down_w.row_bytes, hid, inter, ACT, rows, S, H)
+            matmul(layer.o, out, rows, H)
+            if sandwich:  # x = x + post_attention_norm(h); the MLP reads pre_feedforward_norm(x)
+                rms_norm(H, hid, norms[1], SIDE, rows, hid, eps)
+                add_rms_norm(SIDE, hid, R, hid, norms[2], N, R, rows, hid, eps)
+            else:
+                add_rms_norm(H, hid, R, hid, norms[1], N, R, rows, hid, eps)
+            matmul(layer.gate_up, N, rows, GU)
+            (gelu_and_mul if layer.gelu else silu_and_mul)(GU, rows, inter, ACT)
+            if sandwich:  # the layer's hidden output: post_feedforward_norm(mlp)
+                matmul(layer.down, ACT, rows, SIDE)
+                rms_norm(SIDE, hid, norms[3], H, rows, hid, eps)
+            else:
+                matmul(layer.down, ACT, rows, H)
         return hidden, residual

@@ -55,6 +55,8 @@ def cpu_ops_library() -> ctypes.CDLL | None:
                 "pagoda_add_rms_norm": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32],
                 "pagoda_rotary_neox": [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr],
                 "pagoda_silu_and_mul": [ptr, i64, i64, ptr],
+                "pagoda_gelu_tanh_and_mul": [ptr, i64, i64, ptr],
+                "pagoda_rms_norm_heads": [ptr, i64, i64, i64, ptr, i64, f32],
                 "pagoda_write_kv": [ptr, ptr, i64, ptr, ptr, ptr, i64, i64],
                 "pagoda_write_kv_bf16": [ptr, ptr, i64, ptr, ptr, ptr, i64, i64],
             }

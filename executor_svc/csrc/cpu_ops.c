@@ -34,6 +34,17 @@ void pagoda_rms_norm(const float *x, int64_t x_stride, const float *w, float *ou
     for (int64_t t = 0; t < rows; t++) norm_row(x + t * x_stride, w, out + t * n, n, eps);
 }
 
+// In place, each of the `heads` heads of `head_dim` in row t (rows `x_stride` floats apart) normed
+// on its own with the same weight: Qwen3's and Gemma 3's q/k norms over head_dim.
+void pagoda_rms_norm_heads(float *x, int64_t x_stride, int64_t heads, int64_t head_dim, const float *w, int64_t rows,
+                           float eps) {
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *row = x + t * x_stride + h * head_dim;
+            norm_row(row, w, row, head_dim, eps);  // (mean_square reads the whole row before it is written)
+        }
+}
+
 // sum[t] = x[t] + residual[t]; out[t] = rms_norm(sum[t]).  `sum` may be `x` or `residual`.
 void pagoda_add_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t r_stride, const float *w,
                          float *out, float *sum, int64_t rows, int64_t n, float eps) {
@@ -72,6 +83,20 @@ void pagoda_write_kv(const float *k, const float *v, int64_t src_stride, float *
     for (int64_t t = 0; t < rows; t++) {
         memcpy(k_cache + slots[t] * row_floats, k + t * src_stride, (size_t)row_floats * sizeof(float));
         memcpy(v_cache + slots[t] * row_floats, v + t * src_stride, (size_t)row_floats * sizeof(float));
+    }
+}
+
+// x[t] = [gate | up] -> out[t] = gelu(gate) * up, gelu's tanh approximation as torch computes it
+// (F.gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))): Gemma's GeGLU
+void pagoda_gelu_tanh_and_mul(const float *x, int64_t rows, int64_t n, float *out) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    for (int64_t t = 0; t < rows; t++) {
+        const float *g = x + t * 2 * n, *u = g + n;
+        float *o = out + t * n;
+        for (int64_t i = 0; i < n; i++) {
+            float v = g[i];
+            o[i] = 0.5f * v * (1.0f + tanhf(beta * (v + kappa * v * v * v))) * u[i];
+        }
     }
 }
 

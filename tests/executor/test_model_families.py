@@ -268,3 +268,45 @@ def test_unknown_architecture_is_refused_in_one_line_naming_it_and_the_supported
     message = str(error.value)
     assert "\n" not in message and "'FalconForCausalLM'" in message
     assert all(name in message for name in SUPPORTED_ARCHITECTURES)
+
+
+# the families' GGUF files whose decode steps run as C calls (executor_svc/cpu_decode_path.py), and those
+# whose layers it does not cover: Gemma 2's attention soft cap
+C_DECODE_PATH = {"llama": True, "qwen3": True, "phi3": True, "gemma3": True, "gemma2": False}
+
+
+@pytest.mark.parametrize("kind", list(C_DECODE_PATH))
+def test_family_gguf_decode_steps_through_the_c_path_equal_transformers(kind, tmp_path, default_model_dir, prompts):
+    """A GGUF file's decode steps as C calls (q/k norms, Gemma's 1 + w and sandwich norms, GeGLU,
+    the embedding scale, Gemma 3's local rotary tables, merged q/k/v of two block types): the same
+    tokens and log-probabilities as transformers reading the file. Windows of 128 hold every
+    sequence here, so the sliding layers' steps are the path's too (a longer sequence's go
+    through the modules: `test_family_gguf_file_equals_transformers_reading_it`)."""
+    from transformers import AutoModelForCausalLM
+
+    if get_kernel() is None:
+        pytest.skip("no C compiler: no GGUF kernel, no C decode path")
+    hf_dir, gguf_dir = tmp_path / "hf", tmp_path / "gguf"
+    window = {"sliding_window": 128} if kind in SLIDING else {}
+    build_family(kind, hf_dir, default_model_dir, **GGUF_CONFIG.get(kind, {}), **window)
+    path = write_gguf(kind, hf_dir, tmp_path / f"tiny-{kind}.gguf")
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    runner = ModelRunner(gguf_model_dir(path, hf_dir, gguf_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=160)
+    step = runner.backend.decode_step
+    assert (step is not None) == C_DECODE_PATH[kind]
+    if step is None:
+        return
+    taken = 0
+    forward = step.forward
+
+    def counting(*args):
+        nonlocal taken
+        out = forward(*args)
+        taken += out is not None
+        return out
+
+    step.forward = counting
+    assert_runner_equals_transformers(runner, reference, prompts)
+    assert taken >= 2 * MAX_TOKENS - 4, taken  # (the decodes of the three requests, some together)
