@@ -47,7 +47,8 @@ def avx2_kernel() -> GGUFKernel:
     """The kernel built without AVX-512: the AVX2 loops an AVX2-only CPU takes (this CPU may have AVX-512)."""
     if platform.machine() not in ("x86_64", "AMD64") or not get_kernel().simd:
         pytest.skip("no AVX2 build on this machine")
-    library = ctypes.CDLL(str(cbuild.build(gguf_kernel.SOURCE, (*gguf_kernel.CFLAGS, "-mno-avx512f"), cbuild.find_compiler())))
+    flags = (*gguf_kernel.CFLAGS, "-mno-avx512f")
+    library = ctypes.CDLL(str(cbuild.build(gguf_kernel.SOURCE, flags, cbuild.find_compiler())))
     assert library.gguf_avx512() == 0
     return GGUFKernel(library, 2)
 

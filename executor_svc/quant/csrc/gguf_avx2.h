@@ -15,6 +15,8 @@
  *                 multiplies them into every row of the tile, as a float32 GEMM would.
  *   fused_rows_wide  Q4_0 / Q4_1 / Q8_0 / I8_ROW in tiles of 8 rows: the w form of fused_rows.
  *
+ * In a build with AVX-512 F/BW/VL, group_rows_512 (gguf_avx512.h) takes group_rows' types instead.
+ *
  * and dequant_row_avx2 for the dequantize + GEMM path (prefill) and embedding lookups, equal to
  * the bit to dequant_row_scalar (the same float operations, vectorised).
  */

@@ -124,7 +124,8 @@ INLINE void group_rows_512(const int type, const uint8_t *restrict w, const int6
                     __m512 q[4];
                     k_pair_512(type, blk, p, q);
                     step_512(type, t_form, q, xg + 64 * p, K, mt, G->scale + 2 * p, G->min + 2 * p, acc);
-                    step_512(type, t_form, q + 2, xg + 64 * p + 32, K, mt, G->scale + 2 * p + 1, G->min + 2 * p + 1, acc);
+                    step_512(type, t_form, q + 2, xg + 64 * p + 32, K, mt, G->scale + 2 * p + 1, G->min + 2 * p + 1,
+                             acc);
                 }
             } else if (type == GGML_Q5_0 || type == GGML_Q5_1) {
                 const int64_t bsize = block_bytes(type);
@@ -144,7 +145,8 @@ INLINE void group_rows_512(const int type, const uint8_t *restrict w, const int6
             if (mins) { /* sub-blocks of 32: min j against x's block sum j */
                 if (nw == GROUP) {
                     const __m256 mv = _mm256_load_ps(G->min);
-                    for (int64_t m = 0; m < mt; ++m) macc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + m * nb + g * 8), macc[m]);
+                    for (int64_t m = 0; m < mt; ++m)
+                        macc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + m * nb + g * 8), macc[m]);
                 } else {
                     for (int64_t m = 0; m < mt; ++m)
                         for (int s = 0; s < nw / 32; ++s) tail[m] += G->min[s] * xs[m * nb + g * 8 + s];
@@ -152,7 +154,7 @@ INLINE void group_rows_512(const int type, const uint8_t *restrict w, const int6
             }
         }
         for (int64_t m = 0; m < mt; ++m)
-            y[m * ldy + n] = mins ? _mm512_reduce_add_ps(acc[m]) + hsum(macc[m]) + tail[m] : _mm512_reduce_add_ps(acc[m]);
+            y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]) + (mins ? hsum(macc[m]) + tail[m] : 0.f);
     }
 }
 
