@@ -20,6 +20,19 @@ table times each GGML type alone (every tensor of that type, one kernel call eac
 `--clock thread` (with `--threads 1`: the kernel then runs on the calling thread) times the
 thread's CPU time instead of the wall clock: on a machine others load, time spent descheduled
 is left out, so the per-byte ratio is the kernel's own.
+
+`--per-byte` needs no file: one synthetic matrix per GGML type and shape (random blocks with
+finite scales; the kernel's speed does not depend on the values), timed in GB/s of weight
+bytes at `--threads-list` threads and `--rows` rows, each type's figure also over Q4_1's at the
+same shape ("vs Q4_1": above 1, more bytes a second). `--reference DIR` builds the
+`gguf_matmul.c` in DIR (e.g. main's `executor_svc/quant/csrc`, `git archive`d aside) as a
+second kernel and times it alternately with this tree's (each round and type, one kernel's
+calls, then the other's; which goes first alternates by round), so both see the same machine;
+its columns and "new/ref" (GB/s over the reference's) are added (`--clock thread` with
+`--threads-list 1` as above):
+
+    python bench/bench_gguf_matmul.py --per-byte --rows 1,4,8 --threads-list 1,2 \
+        --shapes 3072x1024,1024x3072,2048x8192 --reference /tmp/main-csrc
 """
 
 from __future__ import annotations
@@ -105,8 +118,111 @@ def per_type_pass(kernel, tensors: list[tuple[int, torch.Tensor, int]], xs: dict
     return seconds
 
 
+# Byte offsets of each type's fp16 scales in its block (for the synthetic matrices of --per-byte).
+FP16_SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+PER_BYTE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K")
+
+
+def synthetic_blocks(type_name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """[n, row_bytes] uint8 of random blocks whose fp16 scales are uniform in +-0.05."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (n, k // block_weights, block_bytes), dtype=np.uint8)
+    for offset in FP16_SCALES[type_name]:
+        scales = rng.uniform(-0.05, 0.05, data.shape[:2]).astype(np.float16)
+        data[:, :, offset: offset + 2] = scales.view(np.uint8).reshape(*data.shape[:2], 2)
+    return torch.from_numpy(data.reshape(n, -1))
+
+
+def time_calls(kernel, ggml_type: int, packed: torch.Tensor, k: int, x: torch.Tensor, calls: int,
+               clock=time.perf_counter) -> float:
+    """Seconds per call, over `calls` back-to-back calls."""
+    start = clock()
+    for _ in range(calls):
+        kernel.matmul(ggml_type, packed, k, x)
+    return (clock() - start) / calls
+
+
+def per_byte(args) -> int:
+    """GB/s of weight bytes per GGML type, shape, rows of x and threads (see the module docstring)."""
+    from gguf import GGMLQuantizationType
+
+    from executor_svc import cbuild
+    from executor_svc.quant.gguf_kernel import CFLAGS, SOURCE, GGUFKernel
+
+    if args.clock == "thread" and args.threads_list != [1]:
+        print("--clock thread needs --threads-list 1 (the pool's other threads' time would be missed)", file=sys.stderr)
+        return 2
+    clock = CLOCKS[args.clock]
+    compiler = cbuild.find_compiler()
+    if compiler is None:
+        print("no C compiler", file=sys.stderr)
+        return 2
+    import ctypes
+
+    libraries = {"new": ctypes.CDLL(str(cbuild.build(SOURCE, CFLAGS, compiler)))}
+    if args.reference:
+        libraries["ref"] = ctypes.CDLL(str(cbuild.build(Path(args.reference) / SOURCE.name, CFLAGS, compiler)))
+    info = machine_info()
+    print(machine_line(info))
+    print(f"per-byte: {', '.join(libraries)}; {args.repeats} rounds, each {args.min_ms} ms or more of calls per "
+          f"type, the kernels alternating, {args.clock} clock; GB/s of weight bytes, best and median of the rounds")
+    results = []
+    for threads in args.threads_list:
+        kernels = {name: GGUFKernel(lib, threads) for name, lib in libraries.items()}
+        for shape in args.shapes:
+            n, k = shape
+            if k % 256:
+                raise SystemExit(f"--shapes {n}x{k}: K must be a multiple of 256 (the K-quants' blocks)")
+            mats = {t: synthetic_blocks(t, n, k, seed=n + k) for t in PER_BYTE_TYPES}
+            for num_rows in args.rows:
+                x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows))
+                samples = {(name, t): [] for name in kernels for t in mats}
+                calls = {}
+                for t, packed in mats.items():  # warm-up, and calls per round for >= min_ms
+                    ggml_type = int(GGMLQuantizationType[t])
+                    one = min(time_calls(kern, ggml_type, packed, k, x, 3) for kern in kernels.values())
+                    calls[t] = max(1, int(args.min_ms / 1000 / max(one, 1e-7)))
+                for r in range(args.repeats):
+                    for t, packed in mats.items():
+                        # which kernel goes first alternates: with a fixed order, the second ran
+                        # Q4_1 at 2048x8192 (past L2) 25 % faster than the first, the same loop
+                        for name, kern in list(kernels.items())[:: 1 if r % 2 == 0 else -1]:
+                            sec = time_calls(kern, int(GGMLQuantizationType[t]), packed, k, x, calls[t], clock)
+                            samples[(name, t)].append(packed.numel() / sec / 1e9)
+                for t in mats:
+                    row = dict(threads=threads, shape=f"{n}x{k}", rows=num_rows, type=t)
+                    for name in kernels:
+                        s = samples[(name, t)]
+                        row[f"{name}_best"], row[f"{name}_median"] = max(s), float(np.median(s))
+                    results.append(row)
+                q41 = results[-len(mats) + list(mats).index("Q4_1")]
+                for row in results[-len(mats):]:
+                    row["vs_q4_1"] = row["new_best"] / q41["new_best"]
+                    if "ref" in kernels:
+                        row["ref_vs_q4_1"] = row["ref_best"] / q41["ref_best"]
+                        row["new_vs_ref_best"] = row["new_best"] / row["ref_best"]
+                        row["new_vs_ref_median"] = row["new_median"] / row["ref_median"]
+    headers = ["threads", "N x K", "rows", "type", "GB/s best", "GB/s median", "vs Q4_1"]
+    keys = ["threads", "shape", "rows", "type", "new_best", "new_median", "vs_q4_1"]
+    if args.reference:
+        headers += ["ref best", "ref median", "ref vs Q4_1", "new/ref best", "new/ref median"]
+        keys += ["ref_best", "ref_median", "ref_vs_q4_1", "new_vs_ref_best", "new_vs_ref_median"]
+    print(format_table(headers, [[r[key] for key in keys] for r in results]))
+    path = write_json(Path(args.json) if args.json else OUT_DIR / f"bench_gguf_per_byte-{timestamp()}.json",
+                      {"machine": info, "results": results, "repeats": args.repeats, "min_ms": args.min_ms,
+                       "reference": args.reference})
+    print(f"\nwrote {path}")
+    return 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.per_byte:
+        return per_byte(args)
     from gguf import GGMLQuantizationType
 
     from executor_svc.quant.gguf_kernel import get_kernel
@@ -191,6 +307,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="kernel threads (default: torch's)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall clock, or the calling thread's CPU time (with --threads 1)")
+    p.add_argument("--per-byte", action="store_true", help="GB/s per GGML type on synthetic matrices (no file)")
+    p.add_argument("--shapes", type=lambda s: [tuple(int(v) for v in p.split("x")) for p in s.split(",")],
+                   default=[(3072, 1024), (1024, 3072), (2048, 8192)],
+                   help="--per-byte: N x K (out x in; K a multiple of 256), comma-separated")
+    p.add_argument("--threads-list", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2],
+                   help="--per-byte: kernel threads, comma-separated")
+    p.add_argument("--reference", help="--per-byte: a directory holding another gguf_matmul.c (and its headers)")
+    p.add_argument("--min-ms", type=float, default=20.0, help="--per-byte: ms of calls per type and round")
     p.add_argument("--json", default=None, help="results file (default bench/out/bench_gguf_matmul-<time>.json)")
     return p.parse_args()
 

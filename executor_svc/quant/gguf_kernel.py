@@ -9,8 +9,9 @@ attention kernel (`executor_svc.cbuild`), with its own small thread pool inside 
 call per matmul: a Python thread hand-off per call would cost more than a small matmul).
 
 Every block type of llama.cpp's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and K-quant (Q2_K-Q6_K) families is
-fused with AVX2 + FMA + F16C (`csrc/gguf_avx2.h`); a build without them (another CPU) takes a
-portable C row path (`csrc/gguf_blocks.h`), with the same numbers up to summation order.
+fused with AVX2 + FMA + F16C (`csrc/gguf_avx2.h`; Q5_0/Q5_1 and the K-quants with AVX-512 F/BW/VL
+where the CPU has it, `csrc/gguf_avx512.h`); a build without them (another CPU) takes a portable
+C row path (`csrc/gguf_blocks.h`), with the same numbers up to summation order.
 
 `BackendOptions.gguf_kernel=False` (`PAGODA_GGUF_KERNEL=0`) keeps it out: GGUF weights are then
 dequantized into float32 at load.

@@ -1,7 +1,7 @@
 """The GGUF kernel against the `gguf` package's own dequantization, every supported block type, odd shapes.
 
 Blocks come from `tests.gguf_blocks` (K-quants: random bytes with finite scales). The portable C
-build (no AVX2) is checked the same way.
+build (no AVX2) and, on a CPU with AVX-512, the AVX2-only build are checked the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +42,24 @@ def portable_kernel() -> GGUFKernel:
     return kernel
 
 
+@pytest.fixture(scope="module")
+def avx2_kernel() -> GGUFKernel:
+    """The kernel built without AVX-512: the AVX2 loops an AVX2-only CPU takes (this CPU may have AVX-512)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not get_kernel().simd:
+        pytest.skip("no AVX2 build on this machine")
+    flags = (*gguf_kernel.CFLAGS, "-mno-avx512f")
+    library = ctypes.CDLL(str(cbuild.build(gguf_kernel.SOURCE, flags, cbuild.find_compiler())))
+    assert library.gguf_avx512() == 0
+    return GGUFKernel(library, 2)
+
+
+def test_the_native_build_takes_the_avx512_loop_where_the_cpu_has_it():
+    """So that the native cases below check the AVX-512 loop on such a CPU (and the avx2 cases the AVX2 loop)."""
+    flags = cbuild.cpu_flags().split()
+    has_avx512 = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl"))
+    assert get_kernel()._lib.gguf_avx512() == int(has_avx512 and get_kernel().simd)
+
+
 def kernels(portable: bool, request) -> GGUFKernel:
     return request.getfixturevalue("portable_kernel") if portable else get_kernel()
 
@@ -70,16 +88,19 @@ def test_dequantize_equals_gguf_to_the_bit(ggml_type, shape, portable, request):
 NUM_ROWS = [1, 2, 3, 4, 5, 8, 9, 20, 64, 65]
 
 
+@pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
 @pytest.mark.parametrize("num_rows", NUM_ROWS)
-def test_matmul_equals_dequantized_weight(ggml_type, shape, num_rows):
-    """x @ W.T through the fused kernel, every row-tile size."""
+def test_matmul_equals_dequantized_weight(ggml_type, shape, num_rows, build, request):
+    """x @ W.T through the fused kernel, every row-tile size, the native build (AVX-512 where the CPU
+    has it) and the AVX2-only one."""
+    kernel = get_kernel() if build == "native" else request.getfixturevalue("avx2_kernel")
     rows, blocks = shape
     packed = packed_weight(ggml_type, rows, blocks, seed=rows + 1)
     weight = torch.from_numpy(quants.dequantize(packed, ggml_type))
     x = torch.randn(num_rows, weight.shape[1], generator=torch.Generator().manual_seed(num_rows))
-    assert_matmul_close(get_kernel().matmul(int(ggml_type), torch.from_numpy(packed), weight.shape[1], x), x, weight)
+    assert_matmul_close(kernel.matmul(int(ggml_type), torch.from_numpy(packed), weight.shape[1], x), x, weight)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)

@@ -15,6 +15,8 @@
  *                 multiplies them into every row of the tile, as a float32 GEMM would.
  *   fused_rows_wide  Q4_0 / Q4_1 / Q8_0 / I8_ROW in tiles of 8 rows: the w form of fused_rows.
  *
+ * In a build with AVX-512 F/BW/VL, group_rows_512 (gguf_avx512.h) takes group_rows' types instead.
+ *
  * and dequant_row_avx2 for the dequantize + GEMM path (prefill) and embedding lookups, equal to
  * the bit to dequant_row_scalar (the same float operations, vectorised).
  */
@@ -225,7 +227,8 @@ INLINE __m256i k5_high(const __m256i qh, const int s) {
 }
 
 /* Group g of a row (K weights) into G; returns its number of weights (256, or fewer for the
- * last group of a row of 32-weight blocks). */
+ * last group of a row of 32-weight blocks). with_q 0: the scales and mins only (Q4_K, Q5_K,
+ * Q5_0, Q5_1; the others decode their quants regardless). */
 INLINE int decode_group(const int type, const uint8_t *restrict row, const int64_t g, const int64_t K, group_t *restrict G,
                         const int with_q) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -235,6 +238,9 @@ INLINE int decode_group(const int type, const uint8_t *restrict row, const int64
         const int count = left < 8 ? (int)left : 8;
         const uint8_t *blk = row + first * bsize;
         for (int i = 0; i < count; ++i, blk += bsize) {
+            G->scale[i] = fp16(blk);
+            if (has_m) G->min[i] = fp16(blk + 2);
+            if (!with_q) continue;
             const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6 + 2 * has_m));
             const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low4);
             const __m256i set = bytes_from_bits(blk + 2 + 2 * has_m);
@@ -242,8 +248,6 @@ INLINE int decode_group(const int type, const uint8_t *restrict row, const int64
             const __m256i q = has_m ? _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
                                     : _mm256_or_si256(nib, _mm256_andnot_si256(set, _mm256_set1_epi8((char)0xF0)));
             _mm256_store_si256((__m256i *)(G->q + 32 * i), q);
-            G->scale[i] = fp16(blk);
-            if (has_m) G->min[i] = fp16(blk + 2);
         }
         return count * QK;
     }

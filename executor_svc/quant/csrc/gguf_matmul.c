@@ -9,8 +9,9 @@
  * The numbers are those of the dequantized weight (as the `gguf` package computes it) times x,
  * in float32; only the summation order differs. With AVX2 + FMA + F16C (gguf_avx2.h) every
  * type is fused, blocks against x without a float copy of the weight, in tiles of 1-4 and of 8
- * rows of x; without them (another CPU, or a compiler without those flags) each row of W is
- * dequantized by portable C (gguf_blocks.h) and dotted with the rows of x.
+ * rows of x; with AVX-512 F/BW/VL too, Q5_0, Q5_1 and the K-quants take a 512-bit loop
+ * (gguf_avx512.h) in tiles of 1-8 rows. Without AVX2 (another CPU, or a compiler without those
+ * flags) each row of W is dequantized by portable C (gguf_blocks.h) and dotted with the rows of x.
  *
  * Threads: a small pthread pool of our own (torch's OpenMP runtime is bundled under another
  * name, so linking libgomp would start a second, competing pool). The calling thread takes
@@ -31,6 +32,15 @@
 #include "gguf_avx2.h"
 #else
 #define GGUF_SIMD 0
+#endif
+
+/* AVX-512 F + BW + VL (-march=native on such a CPU): the types of group_rows take the 512-bit
+ * loop of gguf_avx512.h; Q4_0 / Q4_1 / Q8_0 / I8_ROW keep their AVX2 loops either way. */
+#if GGUF_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GGUF_AVX512 1
+#include "gguf_avx512.h"
+#else
+#define GGUF_AVX512 0
 #endif
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -91,11 +101,37 @@ INLINE void group_tile(const int type, const job_t *j, const float *x, const flo
     }
 }
 
+#if GGUF_AVX512
+INLINE void group_tile_512(const int type, const job_t *j, const float *x, const float *xs, const int64_t mt, float *y,
+                           const int64_t n0, const int64_t n1) {
+    switch (mt) {
+    case 1: group_rows_512(type, j->w, j->row_bytes, j->K, x, xs, 1, y, j->ldy, n0, n1); break;
+    case 2: group_rows_512(type, j->w, j->row_bytes, j->K, x, xs, 2, y, j->ldy, n0, n1); break;
+    case 3: group_rows_512(type, j->w, j->row_bytes, j->K, x, xs, 3, y, j->ldy, n0, n1); break;
+    case 4: group_rows_512(type, j->w, j->row_bytes, j->K, x, xs, 4, y, j->ldy, n0, n1); break;
+    case 5: group_rows_512(type, j->w, j->row_bytes, j->K, x, xs, 5, y, j->ldy, n0, n1); break;
+    case 6: group_rows_512(type, j->w, j->row_bytes, j->K, x, xs, 6, y, j->ldy, n0, n1); break;
+    case 7: group_rows_512(type, j->w, j->row_bytes, j->K, x, xs, 7, y, j->ldy, n0, n1); break;
+    default: group_rows_512(type, j->w, j->row_bytes, j->K, x, xs, WIDE_TILE, y, j->ldy, n0, n1);
+    }
+}
+#endif
+
 /* Rows [n0, n1) of W against every row of x: tiles of 8 rows while more than 8 are left (a
- * batch of exactly 8 takes two tiles of 4, faster there), then tiles of up to 4. */
+ * batch of exactly 8 takes two tiles of 4, faster there), then tiles of up to 4. With AVX-512
+ * the types of group_rows take tiles of 8 while 8 are left, then one tile of the rest. */
 INLINE void tiles(const int type, const job_t *j, const int64_t n0, const int64_t n1) {
     const int simple = type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0 || type == I8_ROW;
     int64_t m0 = 0;
+#if GGUF_AVX512
+    if (!simple) {
+        for (; m0 < j->M; m0 += WIDE_TILE) {
+            const int64_t mt = j->M - m0 < WIDE_TILE ? j->M - m0 : WIDE_TILE;
+            group_tile_512(type, j, j->x + m0 * j->K, j->xs + m0 * (j->K / QK), mt, j->y + m0 * j->ldy, n0, n1);
+        }
+        return;
+    }
+#endif
     for (; j->M - m0 >= WIDE_TILE && j->M > 2 * M_TILE; m0 += WIDE_TILE) {
         const float *x = j->x + m0 * j->K;
         float *y = j->y + m0 * j->ldy;
@@ -269,6 +305,9 @@ int64_t gguf_max_k(void) { return MAX_K; }
 
 /* Whether the fused loops are this build's (AVX2 + FMA + F16C), else the portable row path. */
 int gguf_simd(void) { return GGUF_SIMD; }
+
+/* Whether the types of group_rows take the AVX-512 loop in this build (gguf_avx512.h). */
+int gguf_avx512(void) { return GGUF_AVX512; }
 
 /* y[m * ldy + n] = (x[M][K] @ dequant(W)[N][K].T)[m][n]; xs: scratch of M * K / 32 floats. */
 void gguf_matmul_strided(const int type, const uint8_t *w, const int64_t row_bytes, const int64_t N, const int64_t K,

@@ -1,0 +1,161 @@
+/* The AVX-512 (F + BW + VL) loop of the GGUF kernel for the types of group_rows (Q5_0, Q5_1,
+ * Q2_K-Q6_K): rows of W against 1-8 rows of x, 16 float lanes a register where gguf_avx2.h has 8.
+ *
+ * At decode shapes the fused loops are bound by their vector operations, not by memory (one
+ * thread reads 5-10 GB/s of blocks); a 512-bit register converts 16 weights to float and
+ * multiplies 16 of them into x in one operation each, so a sub-block of 32 weights costs about
+ * half the operations of the AVX2 loop. x stays float32 and the accumulation float32: only the
+ * summation order differs from the dequantized weight times x, as in every other loop here.
+ *
+ *   Q4_K, Q5_K, Q5_0, Q5_1 (sub-blocks of 32): the quants are read straight from the block
+ *       (16 bytes widened to 16 lanes; the 5th bit of Q5 merged through a lane mask), the
+ *       scales and mins from decode_group (with_q 0).
+ *   Q6_K, Q3_K, Q2_K (sub-blocks of 16): decode_group's int8 quants, 16 a register.
+ *
+ * Two forms, as in group_rows: the t form (1-2 rows of x, sub-blocks of 32) sums q x over a
+ * sub-block and multiplies the sum by its scale, mins against x's block sums; the w form makes
+ * the sub-block's float weights (q scale + min) once and multiplies them into every row.
+ */
+#ifndef PAGODA_GGUF_AVX512_H
+#define PAGODA_GGUF_AVX512_H
+
+#include <immintrin.h>
+
+#include "gguf_avx2.h"
+
+/* Whether group_rows_512 reads the quants of `type` straight from the block (sub-blocks of 32). */
+INLINE int direct_512(const int type) {
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q5_0 || type == GGML_Q5_1;
+}
+
+INLINE __m512 lanes_to_ps(const __m512i v) { return _mm512_cvtepi32_ps(v); }
+
+/* Q4_K / Q5_K: the sub-blocks 2p and 2p + 1 of a block as floats, q[0..1] and q[2..3] (16 each). */
+INLINE void k_pair_512(const int type, const uint8_t *restrict blk, const int p, __m512 q[4]) {
+    const int five = type == GGML_Q5_K;
+    const uint8_t *ql = blk + 16 + 32 * five + 32 * p, *qh = blk + 16;
+    const __m512i low4 = _mm512_set1_epi32(0x0F), bit5 = _mm512_set1_epi32(0x10);
+    for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16 * h)));
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi32(v, 4);
+        if (five) { /* bit 2p of qh[l] is the 5th bit of weight l of sub-block 2p, bit 2p + 1 of 2p + 1 */
+            const __m128i bits = _mm_loadu_si128((const __m128i *)(qh + 16 * h));
+            lo = _mm512_mask_or_epi32(lo, _mm_test_epi8_mask(bits, _mm_set1_epi8((char)(1 << (2 * p)))), lo, bit5);
+            hi = _mm512_mask_or_epi32(hi, _mm_test_epi8_mask(bits, _mm_set1_epi8((char)(1 << (2 * p + 1)))), hi, bit5);
+        }
+        q[h] = lanes_to_ps(lo);
+        q[2 + h] = lanes_to_ps(hi);
+    }
+}
+
+/* Q5_0 / Q5_1: one block's 32 weights as floats, q[0] weights 0-15, q[1] 16-31 (Q5_0: q - 16). */
+INLINE void q5_block_512(const int type, const uint8_t *restrict blk, __m512 q[2]) {
+    const int has_m = type == GGML_Q5_1;
+    uint32_t qh;
+    memcpy(&qh, blk + 2 + 2 * has_m, 4);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 6 + 2 * has_m)));
+    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(v, 4);
+    const __mmask16 klo = (__mmask16)qh, khi = (__mmask16)(qh >> 16);
+    if (has_m) { /* q = nibble | 16 where the bit is set */
+        lo = _mm512_mask_or_epi32(lo, klo, lo, _mm512_set1_epi32(0x10));
+        hi = _mm512_mask_or_epi32(hi, khi, hi, _mm512_set1_epi32(0x10));
+    } else { /* q - 16 = nibble - 16 = nibble | ~15 where the bit is clear (two's complement) */
+        lo = _mm512_mask_or_epi32(lo, (__mmask16)~klo, lo, _mm512_set1_epi32(-16));
+        hi = _mm512_mask_or_epi32(hi, (__mmask16)~khi, hi, _mm512_set1_epi32(-16));
+    }
+    q[0] = lanes_to_ps(lo);
+    q[1] = lanes_to_ps(hi);
+}
+
+/* One sub-block of 32 weights (q[0..1], floats) against mt rows of x at xg (rows K apart):
+ * the t form when t_form (scale s32 = scale[0]), else the w form (sub-blocks of 32 or 16). */
+INLINE void step_512(const int type, const int t_form, const __m512 q[2], const float *restrict xg, const int64_t K,
+                     const int64_t mt, const float *scale, const float *min, __m512 *acc) {
+    if (t_form) {
+        const __m512 sv = _mm512_set1_ps(scale[0]);
+        for (int64_t m = 0; m < mt; ++m) {
+            const float *xb = xg + m * K;
+            const __m512 t = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(xb)));
+            acc[m] = _mm512_fmadd_ps(t, sv, acc[m]);
+        }
+        return;
+    }
+    __m512 wv[2];
+    for (int i = 0; i < 2; ++i) {
+        const int s = group_sub(type) == 32 ? 0 : i;
+        const __m512 sv = _mm512_set1_ps(scale[s]);
+        wv[i] = group_has_min(type) ? _mm512_fmadd_ps(q[i], sv, _mm512_set1_ps(min[s])) : _mm512_mul_ps(q[i], sv);
+    }
+    for (int64_t m = 0; m < mt; ++m) {
+        const float *xb = xg + m * K;
+        acc[m] = _mm512_fmadd_ps(wv[0], _mm512_loadu_ps(xb), acc[m]);
+        acc[m] = _mm512_fmadd_ps(wv[1], _mm512_loadu_ps(xb + 16), acc[m]);
+    }
+}
+
+/* Rows [n0, n1) of W against rows [0, mt) of x, 1 <= mt <= WIDE_TILE; xs = block sums of x
+ * (of 32 weights), read by the t form of types with mins. */
+INLINE void group_rows_512(const int type, const uint8_t *restrict w, const int64_t row_bytes, const int64_t K,
+                           const float *restrict x, const float *restrict xs, const int64_t mt, float *restrict y,
+                           const int64_t ldy, const int64_t n0, const int64_t n1) {
+    const int64_t ng = (K + GROUP - 1) / GROUP, nb = K / QK;
+    /* the t form costs 3 operations a row per 32 weights, the w form 2 plus 2 a row */
+    const int t_form = group_sub(type) == 32 && mt <= 2, mins = t_form && group_has_min(type);
+    const int direct = direct_512(type);
+    group_t groups[2];
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *row = w + n * row_bytes;
+        prefetch_ahead(row, row_bytes, n, n1);
+        __m512 acc[WIDE_TILE];
+        __m256 macc[2];
+        float tail[2] = {0.f, 0.f};
+        for (int64_t m = 0; m < mt; ++m) acc[m] = _mm512_setzero_ps();
+        macc[0] = macc[1] = _mm256_setzero_ps();
+        /* decoded one group ahead (see group_rows: store forwarding) */
+        int next_nw = decode_group(type, row, 0, K, &groups[0], !direct);
+        for (int64_t g = 0; g < ng; ++g) {
+            const group_t *restrict G = &groups[g & 1];
+            const int nw = next_nw;
+            if (g + 1 < ng) next_nw = decode_group(type, row, g + 1, K, &groups[(g + 1) & 1], !direct);
+            const float *xg = x + g * GROUP;
+            if (type == GGML_Q4_K || type == GGML_Q5_K) {
+                const uint8_t *blk = row + g * block_bytes(type);
+                for (int p = 0; p < 4; ++p) {
+                    __m512 q[4];
+                    k_pair_512(type, blk, p, q);
+                    step_512(type, t_form, q, xg + 64 * p, K, mt, G->scale + 2 * p, G->min + 2 * p, acc);
+                    step_512(type, t_form, q + 2, xg + 64 * p + 32, K, mt, G->scale + 2 * p + 1, G->min + 2 * p + 1,
+                             acc);
+                }
+            } else if (type == GGML_Q5_0 || type == GGML_Q5_1) {
+                const int64_t bsize = block_bytes(type);
+                for (int s = 0; s < nw / 32; ++s) {
+                    __m512 q[2];
+                    q5_block_512(type, row + (g * 8 + s) * bsize, q);
+                    step_512(type, t_form, q, xg + 32 * s, K, mt, G->scale + s, G->min + s, acc);
+                }
+            } else { /* sub-blocks of 16, decoded: scales 2 s32 and 2 s32 + 1 */
+                for (int s32 = 0; s32 < nw / 32; ++s32) {
+                    const int8_t *qs = G->q + 32 * s32;
+                    const __m512 q[2] = {lanes_to_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)qs))),
+                                         lanes_to_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(qs + 16))))};
+                    step_512(type, 0, q, xg + 32 * s32, K, mt, G->scale + 2 * s32, G->min + 2 * s32, acc);
+                }
+            }
+            if (mins) { /* sub-blocks of 32: min j against x's block sum j */
+                if (nw == GROUP) {
+                    const __m256 mv = _mm256_load_ps(G->min);
+                    for (int64_t m = 0; m < mt; ++m)
+                        macc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + m * nb + g * 8), macc[m]);
+                } else {
+                    for (int64_t m = 0; m < mt; ++m)
+                        for (int s = 0; s < nw / 32; ++s) tail[m] += G->min[s] * xs[m * nb + g * 8 + s];
+                }
+            }
+        }
+        for (int64_t m = 0; m < mt; ++m)
+            y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]) + (mins ? hsum(macc[m]) + tail[m] : 0.f);
+    }
+}
+
+#endif
