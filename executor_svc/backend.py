@@ -43,6 +43,9 @@ class BackendOptions:
     gguf_kernel: bool = True  # GGUF weights kept in their blocks on a CPU (else dequantized at load)
     gguf_fused_max_rows: int = FUSED_MAX_ROWS  # float32 x: above this many rows a GGUF linear dequantizes into a GEMM
     gguf_bf16_fused_max_rows: int = BF16_FUSED_MAX_ROWS  # bfloat16 x: the same, for weights of one dequantization tile
+    # bfloat16 models: a bfloat16 copy of each GGUF weight beside its blocks, for the GEMM rows (batches,
+    # prefill; 2 bytes a weight more), instead of dequantizing a tile per call
+    gguf_bf16_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gguf_fused_max_rows", "gguf_bf16_fused_max_rows"):
@@ -89,6 +92,7 @@ ENV_SWITCHES = {
     "gguf_kernel": "PAGODA_GGUF_KERNEL",
     "gguf_fused_max_rows": "PAGODA_GGUF_FUSED_MAX_ROWS",
     "gguf_bf16_fused_max_rows": "PAGODA_GGUF_BF16_FUSED_MAX_ROWS",
+    "gguf_bf16_weights": "PAGODA_GGUF_BF16_WEIGHTS",  # (the executor's --gguf-bf16-weights)
 }
 
 
@@ -96,6 +100,8 @@ class Backend:
     """The execution choices of `options` for one model replica on `device` in `dtype`."""
 
     def __init__(self, options: BackendOptions, device: torch.device, dtype: torch.dtype) -> None:
+        if options.gguf_bf16_weights and dtype != torch.bfloat16:
+            raise ValueError(f"gguf_bf16_weights (--gguf-bf16-weights) needs --dtype bfloat16, not {dtype}")
         self.options = options
         self.device = device
         self.dtype = dtype
@@ -123,8 +129,13 @@ class Backend:
         """Give `model` this backend's elementwise ops and GGUF thresholds, and build the decode step."""
         from executor_svc.quant.gguf_linear import GGUFLinear
 
+        lookups_only = getattr(model.embed_tokens, "linear", None)  # a GGUFEmbedding's blocks: rows looked up
+        if lookups_only is model.lm_head:
+            lookups_only = None  # (tied: the LM head multiplies by them)
         for module in model.modules():
             if isinstance(module, GGUFLinear):
+                if self.options.gguf_bf16_weights and module is not lookups_only:
+                    module.keep_bf16_weight()
                 module.set_row_thresholds(self.options.gguf_fused_max_rows, self.options.gguf_bf16_fused_max_rows)
         if self.attention.name == "triton":
             from executor_svc.fused_ops import triton_model_ops

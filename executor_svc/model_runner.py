@@ -215,6 +215,9 @@ class ModelRunner:
         self.kv_cache_layout = KVCacheLayout(self.kv_cache_groups, self.config.num_layers)
         self._group_of_layer = self.kv_cache_layout.group_of
         self.backend.prepare(self.model)
+        self.weight_bytes += sum(  # bfloat16 copies of GGUF weights (BackendOptions.gguf_bf16_weights)
+            m.bf16_weight.nbytes for m in self.model.modules() if isinstance(m, GGUFLinear) and m.bf16_weight is not None
+        )
         cache_dtype = getattr(self.attention, "cache_dtype", None)
         self.kv_cache_dtype = cache_dtype(self.dtype) if cache_dtype else self.dtype
         self._fingerprint = fingerprint(self.model_dir)

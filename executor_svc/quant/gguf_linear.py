@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.quant.gguf_kernel import GGUFKernel
@@ -78,16 +79,24 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"packed{i}", packed)
         self.out_features = sum(p.shape[0] for _, p in segments)
         self.register_buffer("bias", bias)
+        self.register_buffer("bf16_weight", None, persistent=False)  # see keep_bf16_weight
         self.set_row_thresholds(FUSED_MAX_ROWS, BF16_FUSED_MAX_ROWS)
+
+    def keep_bf16_weight(self) -> None:
+        """Hold a bfloat16 copy of the weight for bfloat16 x above the fused threshold: one GEMM a call,
+        nothing dequantized per call (2 bytes a weight more; the blocks stay for the fused rows)."""
+        self.bf16_weight = self.dequantize().to(torch.bfloat16)
+        self.set_row_thresholds(self.fused_max_rows, self._bf16_rows)
 
     def set_row_thresholds(self, fused_max_rows: int, bf16_fused_max_rows: int) -> None:
         """Up to how many rows of x the fused kernel runs (float32 x; bfloat16 x) before dequantize + GEMM.
 
         A weight of several dequantization tiles (the vocabulary-sized LM head) keeps the float32
-        threshold for bfloat16 x too (see `BF16_FUSED_MAX_ROWS`)."""
-        one_tile = 4 * self.in_features * self.out_features <= DEQUANT_TILE_BYTES
+        threshold for bfloat16 x too (see `BF16_FUSED_MAX_ROWS`), unless it keeps a bfloat16 copy."""
+        cheap = 4 * self.in_features * self.out_features <= DEQUANT_TILE_BYTES or self.bf16_weight is not None
         self.fused_max_rows = fused_max_rows
-        self.bf16_fused_max_rows = bf16_fused_max_rows if one_tile else fused_max_rows
+        self._bf16_rows = bf16_fused_max_rows
+        self.bf16_fused_max_rows = bf16_fused_max_rows if cheap else fused_max_rows
 
     @property
     def segments(self) -> list[tuple[int, torch.Tensor]]:
@@ -117,6 +126,8 @@ class GGUFLinear(nn.Module):
         x = x.reshape(-1, self.in_features)
         if x.shape[0] <= self.bf16_fused_max_rows:
             y = self._fused(x.float().contiguous()).to(torch.bfloat16)
+        elif self.bf16_weight is not None:
+            y = F.linear(x, self.bf16_weight, None if self.bias is None else self.bias.to(torch.bfloat16))
         else:
             y = self._dequantized_gemm_bf16(x.contiguous())
         return y.reshape(*lead, self.out_features)

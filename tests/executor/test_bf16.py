@@ -175,3 +175,31 @@ def test_auto_is_float32_on_the_cpu_and_bf16_keeps_gguf_blocks():
         load_model(gguf_dir, cpu, torch.float16, "gguf")
     with pytest.raises(UnsupportedModelError, match="int8' runs on the CPU in float32, not cpu torch.bfloat16"):
         load_model(gguf_dir, cpu, torch.bfloat16, "int8")
+
+
+def test_bf16_weight_copies_serve_the_gemm_rows_with_the_tiles_quality(bf16_runner, text_tokens):
+    """`BackendOptions.gguf_bf16_weights` (`--gguf-bf16-weights`): each GGUF weight's bfloat16 copy is
+    its blocks dequantized and rounded, as the per-call tiles are, so nothing is dequantized per call
+    and the quality is the tiles'; the embedding's own blocks, only looked up, get none."""
+    from executor_svc.backend import BackendOptions
+
+    runner = ModelRunner(model_files.resolve_model(None, weights=False), device="cpu", dtype="bfloat16",
+                         block_size=16, num_kv_blocks=64, backend=BackendOptions(gguf_bf16_weights=True))
+    linears = [m for m in runner.model.modules() if isinstance(m, GGUFLinear)]
+    copies = [m for m in linears if m.bf16_weight is not None]
+    assert copies and runner.model.lm_head in copies  # the default model's head is tied: the same blocks
+    for m in copies[:3]:
+        assert torch.equal(m.bf16_weight, m.dequantize().to(torch.bfloat16))
+    extra = sum(m.bf16_weight.nbytes for m in copies)
+    assert runner.weight_bytes == bf16_runner.weight_bytes + extra
+    # the same bfloat16 weights; bfloat16 outputs of other GEMM blockings round apart, so the bound is
+    # the quality one: perplexity within 1 % of the tiles' run, top-1 equal at >= 95 % of positions
+    ours = _teacher_forced_logprobs(runner, text_tokens)
+    tiles = _teacher_forced_logprobs(bf16_runner, text_tokens)
+    ppl, ppl_tiles = _perplexity(ours, text_tokens), _perplexity(tiles, text_tokens)
+    agree = (ours.argmax(-1) == tiles.argmax(-1)).float().mean().item()
+    print(f"bf16 weight copies: perplexity {ppl:.3f} vs tiles {ppl_tiles:.3f}, top-1 agreement {agree:.3f}")
+    assert abs(ppl / ppl_tiles - 1) < 0.01 and agree >= 0.95, (ppl, ppl_tiles, agree)
+    with pytest.raises(ValueError, match="needs --dtype bfloat16"):
+        ModelRunner(model_files.resolve_model(None, weights=False), device="cpu", num_kv_blocks=8,
+                    backend=BackendOptions(gguf_bf16_weights=True))
