@@ -453,7 +453,7 @@ def table(results: dict[str, dict], describe: dict[str, str]) -> str:
                "1 stream vs llama.cpp", "4 streams tok/s", "4 streams vs llama.cpp", "prefill TTFT ms",
                "prefill vs llama.cpp", f"W48 same tokens as {reference}"]
     notes = [f"  {system}: {text}" for system, text in describe.items()]
-    return "\n".join([format_table(headers, body), *notes, *aims(rows)])
+    return "\n".join([format_table(headers, body) if body else "no system measured", *notes, *aims(rows)])
 
 
 def report(machine: dict, args, describe: dict[str, str], results: dict[str, dict]) -> dict:
@@ -512,19 +512,17 @@ def main() -> None:
     results: dict[str, dict] = {}
     describe: dict[str, str] = {}
     for name in systems:
-        system = make_system(name, args)
-        if isinstance(system, str):
-            print(f"{name}: not measured ({system})", flush=True)
-            describe[name] = f"not measured: {system}"
-            continue
         print(f"{name}: starting (load average {os.getloadavg()[0]:.2f})", flush=True)
         t_start = time.perf_counter()
         try:
+            system = make_system(name, args)
+            if isinstance(system, str):
+                raise RuntimeError(system)
             with system:
                 print(f"{name}: ready in {time.perf_counter() - t_start:.0f} s", flush=True)
                 results[name] = run_system(system, parts, args, chat_ids)
                 describe[name] = system.describe()
-        except (OSError, RuntimeError, TimeoutError) as e:  # a peer that does not start or serve here
+        except (OSError, RuntimeError, TimeoutError) as e:  # a peer that is not given, or does not start or serve here
             print(f"{name}: not measured ({e})", flush=True)
             describe[name] = f"not measured: {e}"
         write_json(out, report(machine, args, describe, results))  # after each system: a cut run keeps its figures
