@@ -11,7 +11,7 @@ Systems, one after another in one run, each its own server started and stopped h
                                `float32`, the default GGUF file with its blocks kept
     vllm-bf16, vllm-fp32       vLLM's OpenAI-compatible server (`--dtype`), on the file dequantized to a
                                Hugging Face folder (`pagoda.model_files.resolve_model`)
-    llama.cpp                  `llama-server` on the GGUF file, 48 slots sharing one KV pool (`-kvu`)
+    llama.cpp                  `llama-server` on the GGUF file, 48 slots of 2,048 tokens each
     hf                         transformers `generate`, float32, static batches (bench/baseline_hf.py)
 
 Parts (every request greedy, `ignore_eos`, prompts as token ids, the same ids for every system):
@@ -266,8 +266,9 @@ class Vllm(HttpServer):
 
 
 class LlamaCpp(HttpServer):
-    """`llama-server` on the GGUF file: `--parallel` slots over one unified KV pool (every W48
-    request in flight at once), `/completion` with the prompt as token ids, no prompt cache."""
+    """`llama-server` on the GGUF file: a slot per request in flight (every W48 request at once), each
+    with a context of its own (llama.cpp's default when `--parallel` is given: no unified KV pool),
+    `/completion` with the prompt as token ids, no prompt cache."""
 
     name, path = "llama.cpp", "/completion"
 
@@ -278,7 +279,7 @@ class LlamaCpp(HttpServer):
         port = free_port()
         self.gguf = model_files.default_gguf_path()
         cmd = [binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-               "-tb", str(threads), "-np", str(slots), "-kvu", "-c", str(max(slots * 640, MAX_MODEL_LEN)), "--no-webui"]
+               "-tb", str(threads), "-np", str(slots), "-c", str(slots * MAX_MODEL_LEN), "--no-webui"]
         super().__init__(cmd, {}, port, start_timeout_s=120)
 
     def describe(self) -> str:
