@@ -135,11 +135,12 @@ class Streamed:
 
 
 class Pagoda(Streamed):
-    def __init__(self, dtype: str, threads: int, scheduler_args: list[str]) -> None:
+    def __init__(self, dtype: str, threads: int, scheduler_args: list[str], executor_args: list[str] = ()) -> None:
         from tests.service.harness import Service
 
-        self.dtype = dtype
-        self.svc = Service(scheduler_args=scheduler_args, executor_args=["--dtype", dtype, "--num-threads", str(threads)])
+        self.dtype, self.executor_args = dtype, list(executor_args)
+        self.svc = Service(scheduler_args=scheduler_args,
+                           executor_args=["--dtype", dtype, "--num-threads", str(threads), *executor_args])
 
     def __enter__(self):
         self.svc.start()
@@ -150,7 +151,9 @@ class Pagoda(Streamed):
 
     def describe(self) -> str:
         info = self.svc.server_info().executors[0]
-        return f"--dtype {self.dtype}, GGUF blocks kept, {info.weight_bytes / 2**20:.0f} MiB weights; logs {self.svc.logdir}"
+        extra = "".join(f" {a}" for a in self.executor_args)
+        return (f"--dtype {self.dtype}{extra}, GGUF blocks kept, {info.weight_bytes / 2**20:.0f} MiB weights; "
+                f"logs {self.svc.logdir}")
 
     def stream(self, spec: RequestSpec) -> RequestRecord:
         record = RequestRecord(spec.index, len(spec.prompt_ids), spec.max_tokens)
@@ -326,7 +329,9 @@ def make_system(name: str, args):
     """A context manager for `name`, or a string saying why it cannot be measured here."""
     threads, sched = args.threads, args.scheduler_args.split()
     if name.startswith("pagoda-"):
-        return Pagoda({"bf16": "bfloat16", "fp32": "float32"}[name.split("-")[1]], threads, sched)
+        dtype = {"bf16": "bfloat16", "fp32": "float32"}[name.split("-")[1]]
+        extra = args.pagoda_bf16_args.split() if dtype == "bfloat16" else []
+        return Pagoda(dtype, threads, sched, extra)
     if name.startswith("vllm-"):
         if not args.vllm_python:
             return "no --vllm-python (or VLLM_PYTHON)"
@@ -484,6 +489,7 @@ def main() -> None:
                         help="extra environment of vLLM's server (repeatable), e.g. LD_PRELOAD=...")
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="path of llama.cpp's llama-server")
     parser.add_argument("--scheduler-args", default="", help="extra flags of Pagoda's scheduler")
+    parser.add_argument("--pagoda-bf16-args", default="", help="extra executor flags of pagoda-bf16 (e.g. --gguf-bf16-weights)")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size in W48")
     parser.add_argument("--w48-requests", type=int, default=48)
     parser.add_argument("--w48-prompt-len", default="32:384")

@@ -47,13 +47,14 @@ class _Linear:
     segments: tuple[tuple[int, int, int, int], ...]  # (ggml_type, data_ptr of the packed blocks, row_bytes, rows)
     out_features: int
     in_features: int
+    module: GGUFLinear  # above `max_rows` rows: its own forward (the GEMM the modules run)
 
 
 def _linear(module) -> _Linear | None:
     if not isinstance(module, GGUFLinear) or module.bias is not None:
         return None
     segments = tuple((t, p.data_ptr(), p.shape[1], p.shape[0]) for t, p in module.segments)
-    return _Linear(segments, module.out_features, module.in_features)
+    return _Linear(segments, module.out_features, module.in_features, module)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class CpuDecodePath:
         c = model.config
         self._windows = {layer.window for layer in layers} - {None}
         self._embed_scale = getattr(c, "embed_scale", None)
+        self._dtype = model.dtype
         # the GGUF kernel's scratch (x's block sums): one call at a time
         self._scratch = torch.empty(max_rows * max(c.hidden_size, c.intermediate_size, c.q_size) // 32, dtype=torch.float32)
 
@@ -170,8 +172,15 @@ class CpuDecodePath:
         log.info("CPU decode path: %d layers as C calls (%s, %s)", len(layers), type(model).__name__, model.dtype)
         return cls(model, attention, library, layers, max_rows, kept, sandwich)
 
-    def _matmul(self, linear: _Linear, x: int, rows: int, y: int) -> None:
-        """y [rows, out] = x @ W.T: one C call a segment (a merged projection's parts of other types write their columns)."""
+    def _matmul(self, linear: _Linear, x: torch.Tensor, rows: int, y: torch.Tensor) -> None:
+        """y [rows, out] = x [rows, in] @ W.T (float32 buffers). Up to `max_rows` rows: the fused
+        kernel, one C call a segment (a merged projection's parts of other types write their
+        columns); above: the linear's own forward on x in the model's dtype (the GEMM its module
+        runs at that many rows: dequantized tiles, or a bfloat16 copy of the weights), copied into y."""
+        if rows > self.max_rows:
+            y.copy_(linear.module(x if self._dtype == torch.float32 else x.to(self._dtype)))
+            return
+        x, y = x.data_ptr(), y.data_ptr()
         if len(linear.segments) == 1:
             ggml_type, weight, row_bytes, _ = linear.segments[0]
             self._gguf(ggml_type, weight, row_bytes, linear.out_features, linear.in_features, x, rows, self._scratch_ptr, y)
@@ -202,7 +211,7 @@ class CpuDecodePath:
         rows = input_ids.shape[0]
         metas = meta if isinstance(meta, tuple) else (meta,) * len(self._layers)
         first = metas[0]
-        if rows > self.max_rows or first.max_query_len != 1:
+        if first.max_query_len != 1:
             return None
         if any(first.max_seq_len > w for w in self._windows):
             return None  # a window moved: the modules read it (windowed.attend)
@@ -267,7 +276,7 @@ class CpuDecodePath:
                 rms_norm(R, hid, norms[0], N, rows, hid, eps)
             else:
                 add_rms_norm(H, hid, R, hid, norms[0], N, R, rows, hid, eps)
-            matmul(layer.qkv, N, rows, QKV)
+            matmul(layer.qkv, normed, rows, qkv)
             if layer.qk_norms is not None:
                 rms_norm_heads(QKV, qkv_width, heads, head_dim, layer.qk_norms[0], rows, eps)
                 rms_norm_heads(K, qkv_width, kv_heads, head_dim, layer.qk_norms[1], rows, eps)
@@ -278,22 +287,25 @@ class CpuDecodePath:
             if m.max_seq_len * num_seqs <= ONE_THREAD_KEYS:
                 attend(Q, KC, VC, table.data_ptr(), table.stride(0), lens.data_ptr(), A, SCRATCH, heads, kv_heads,
                        head_dim, block_size, layer.scale, 0, num_seqs)
-                out = A
+                out = attn
             else:
                 # (split_out stays alive until o_proj has read it)
                 split_out = kernel(q_heads, k_cache, v_cache, table, lens, layer.scale, group.kernel_split)
-                out = split_out.data_ptr()
-            matmul(layer.o, out, rows, H)
+                out = split_out.view(rows, q_size)
+            matmul(layer.o, out, rows, hidden)
             if sandwich:  # x = x + post_attention_norm(h); the MLP reads pre_feedforward_norm(x)
                 rms_norm(H, hid, norms[1], SIDE, rows, hid, eps)
                 add_rms_norm(SIDE, hid, R, hid, norms[2], N, R, rows, hid, eps)
             else:
                 add_rms_norm(H, hid, R, hid, norms[1], N, R, rows, hid, eps)
-            matmul(layer.gate_up, N, rows, GU)
+            matmul(layer.gate_up, normed, rows, gate_up)
             (gelu_and_mul if layer.gelu else silu_and_mul)(GU, rows, inter, ACT)
             if sandwich:  # the layer's hidden output: post_feedforward_norm(mlp)
-                matmul(layer.down, ACT, rows, SIDE)
+                matmul(layer.down, act, rows, side)
                 rms_norm(SIDE, hid, norms[3], H, rows, hid, eps)
             else:
-                matmul(layer.down, ACT, rows, H)
+                matmul(layer.down, act, rows, hidden)
+        if rows > self.max_rows and self._dtype != torch.float32:
+            # the final norm and the LM head at this many rows: a GEMM in the model's dtype, as the modules run them
+            return hidden.to(self._dtype), residual.to(self._dtype)
         return hidden, residual

@@ -51,6 +51,8 @@ FUSED_MAX_ROWS = 64
 # rows (there, ms: rows 16: 43 / 17, 32: 50 / 31, 48: 49 / 52, 64: 59 / 60, 128: 77 / 127).
 # The default of `BackendOptions.gguf_bf16_fused_max_rows` (PAGODA_GGUF_BF16_FUSED_MAX_ROWS for side-by-side runs).
 BF16_FUSED_MAX_ROWS = 16
+# the row count oneDNN blocks a packed bfloat16 copy for (`keep_bf16_weight`): 16-256 measured alike
+PACK_ROWS_HINT = 64
 
 # The dequantize + GEMM path works a tile of weight rows this large (float32) at a time, in one
 # buffer that is reused (see GGUFLinear._dequantized_gemm).
@@ -84,8 +86,18 @@ class GGUFLinear(nn.Module):
 
     def keep_bf16_weight(self) -> None:
         """Hold a bfloat16 copy of the weight for bfloat16 x above the fused threshold: one GEMM a call,
-        nothing dequantized per call (2 bytes a weight more; the blocks stay for the fused rows)."""
-        self.bf16_weight = self.dequantize().to(torch.bfloat16)
+        nothing dequantized per call (2 bytes a weight more; the blocks stay for the fused rows).
+
+        Where oneDNN runs (torch's CPU build), the copy is reordered once into oneDNN's blocked
+        layout, as `PackedLinear` does for unquantized weights: a plain bfloat16 weight is
+        reordered again inside every `F.linear` call, which at decode-step rows is about as long
+        as the product (`bench/bench_bf16.py --parts linears`). The packed copy gives the same
+        outputs (`bf16_weight.to_dense()` is the plain copy)."""
+        weight = self.dequantize().to(torch.bfloat16)
+        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        del self._buffers["bf16_weight"]  # a plain attribute: an opaque oneDNN tensor has no storage to count
+        self.bf16_weight = weight
         self.set_row_thresholds(self.fused_max_rows, self._bf16_rows)
 
     def set_row_thresholds(self, fused_max_rows: int, bf16_fused_max_rows: int) -> None:
@@ -127,7 +139,11 @@ class GGUFLinear(nn.Module):
         if x.shape[0] <= self.bf16_fused_max_rows:
             y = self._fused(x.float().contiguous()).to(torch.bfloat16)
         elif self.bf16_weight is not None:
-            y = F.linear(x, self.bf16_weight, None if self.bias is None else self.bias.to(torch.bfloat16))
+            bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+            if self.bf16_weight.is_mkldnn:
+                y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.bf16_weight, bias, "none", [], "")
+            else:
+                y = F.linear(x, self.bf16_weight, bias)
         else:
             y = self._dequantized_gemm_bf16(x.contiguous())
         return y.reshape(*lead, self.out_features)

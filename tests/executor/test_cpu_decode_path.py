@@ -9,6 +9,7 @@ from executor_svc import cpu_decode_path
 from executor_svc.cpu_decode_path import CpuDecodePath
 from executor_svc.model_runner import ModelRunner
 from executor_svc.quant.gguf_kernel import get_kernel
+from executor_svc.quant.gguf_linear import GGUFLinear
 from pagoda import model_files
 from tests.executor.plans import PlanBuilder, run_to_completion
 from tests.executor.test_model_runner import mixed_workload
@@ -59,25 +60,64 @@ def test_each_decode_step_equals_the_modules_to_the_bit(runner, one_thread_keys,
 def test_steps_it_does_not_take(runner):
     path = runner.backend.decode_step
     assert path is not None
-    too_many = torch.zeros(path.max_rows + 1, dtype=torch.int64)
 
     class Meta:  # only what forward reads before it declines
-        max_query_len, max_seq_len = 1, 10
+        max_query_len, max_seq_len = 2, 10  # a prefill chunk (or drafts to verify)
 
-    assert path.forward(too_many, too_many, [], Meta) is None
-    Meta.max_query_len = 2  # a prefill chunk (or drafts to verify)
-    assert path.forward(too_many[:4], too_many[:4], [], Meta) is None
+    ids = torch.zeros(4, dtype=torch.int64)
+    assert path.forward(ids, ids, [], Meta) is None
 
 
-def test_bfloat16_decode_steps_stay_close_to_its_modules():
+def test_decode_steps_above_the_fused_rows_equal_the_modules_to_the_bit(runner, monkeypatch):
+    """Above `max_rows` the path's linears run their modules' own forward (the GEMM the modules
+    run at that many rows) between its C calls: still the modules' hidden states to the bit."""
+    from transformers import AutoTokenizer
+
+    path = runner.backend.decode_step
+    monkeypatch.setattr(path, "max_rows", 1)  # every step of several requests goes above it
+    tok = AutoTokenizer.from_pretrained(str(runner.model_dir))
+    texts = ["The capital of France is", "def add(a, b):\n", "Once upon a time, in a small village, there lived"]
+    prompts = {f"p{i}": tok(t)["input_ids"] for i, t in enumerate(texts)}
+    above: list[int] = []
+    calls: list[int] = []
+    real = GGUFLinear.forward
+
+    def counted(self, x):
+        calls.append(x.shape[0])
+        return real(self, x)
+
+    def both(model_, input_ids, positions, kv_caches, meta):
+        fast = path.forward(input_ids, positions, kv_caches, meta)
+        slow = runner.model(input_ids, positions, kv_caches, meta, runner.attention)
+        if fast is not None and input_ids.shape[0] > 1:
+            above.append(input_ids.shape[0])
+            for got, want in zip(fast, slow, strict=True):
+                torch.testing.assert_close(got, want, atol=0, rtol=0)
+        return slow
+
+    monkeypatch.setattr(GGUFLinear, "forward", counted)
+    monkeypatch.setattr(runner.backend, "forward", both)
+    builder = PlanBuilder(block_size=16, num_blocks=256)
+    mixed_workload(builder, prompts, max_tokens=8)
+    run_to_completion(runner, builder)
+    assert len(above) >= 3, above  # decode steps of several requests went through the path
+    # each of them ran every layer's 4 linears once in the path and once in the modules
+    assert calls.count(2) >= len(above) * 2 * 4 * len(runner.model.layers), "the path ran the modules' GEMMs"
+
+
+@pytest.mark.parametrize("above_fused_rows", [False, True], ids=["fused-rows", "gemm-rows"])
+def test_bfloat16_decode_steps_stay_close_to_its_modules(above_fused_rows):
     """A bfloat16 model's decode steps through the path compute in float32 (K/V rounded into its
-    bfloat16 cache): close to its modules, which round every activation to bfloat16, not equal."""
+    bfloat16 cache): close to its modules, which round every activation to bfloat16, not equal.
+    Above `max_rows` (gemm-rows) its linears are the modules' bfloat16 GEMMs on rounded inputs."""
     from transformers import AutoTokenizer
 
     runner = ModelRunner(model_files.resolve_model(None, weights=False), device="cpu", dtype="bfloat16",
                          block_size=16, num_kv_blocks=128)
     path = runner.backend.decode_step
     assert isinstance(path, CpuDecodePath) and runner.kv_caches[0][0].dtype == torch.bfloat16
+    if above_fused_rows:
+        path.max_rows = 1
     tok = AutoTokenizer.from_pretrained(str(runner.model_dir))
     prompts = {f"q{i}": tok(t)["input_ids"] for i, t in enumerate(["The capital of France is", "def add(a, b):\n"])}
     errors: list[float] = []
@@ -86,7 +126,8 @@ def test_bfloat16_decode_steps_stay_close_to_its_modules():
         fast = path.forward(input_ids, positions, kv_caches, meta)
         slow = runner.model(input_ids, positions, kv_caches, meta, runner.attention)  # rewrites the same slots
         if fast is not None:
-            assert fast[0].dtype == torch.float32
+            # float32 at the fused rows; above them bfloat16, for the final norm and head's GEMM
+            assert fast[0].dtype == (torch.float32 if input_ids.shape[0] <= path.max_rows else torch.bfloat16)
             got, want = sum(fast), sum(x.float() for x in slow)
             errors.append(((got - want).norm() / want.norm()).item())
         return slow

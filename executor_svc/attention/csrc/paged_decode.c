@@ -127,6 +127,170 @@ static inline __attribute__((always_inline)) void attend_seq(
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 values of a K/V row from element i, widened to float32 for a bfloat16 cache. */
+static inline __attribute__((always_inline)) __m512 kv_load16(const char *row, const int64_t i, const int kv_bf16) {
+    if (kv_bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)row + i);
+}
+
+/* exp(x) for 16 floats: 2^(x log2 e) as 2^n (scalef) times 2^f, |f| <= 1/2, by its Taylor
+ * polynomial of degree 7 (relative error below 1e-8 before rounding: the float32 expf's
+ * accuracy); x <= 0 here (a score minus the running max), so it only underflows, to 0. */
+static inline __attribute__((always_inline)) __m512 exp512(const __m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f)); /* f ln 2 */
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lane i of the result: the sum of the 16 lanes of v[SUM16_SLOT[i]] (a transposing tree of
+ * shuffles and adds: 15 adds for 16 sums instead of 16 horizontal reductions). */
+static const int SUM16_SLOT[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
+    __m512 s1[8], s2[4], s3[2];
+    for (int j = 0; j < 8; ++j)
+        s1[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44), _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
+    for (int j = 0; j < 4; ++j)
+        s2[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[j], s1[j + 4], 0x88), _mm512_shuffle_f32x4(s1[j], s1[j + 4], 0xDD));
+    for (int j = 0; j < 2; ++j)
+        s3[j] = _mm512_add_ps(_mm512_shuffle_ps(s2[j], s2[j + 2], 0x44), _mm512_shuffle_ps(s2[j], s2[j + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+}
+
+/* attend_seq with AVX-512 registers, for head_dim = 16 * NV (NV a constant in each inlined copy)
+ * and a grouped-query group of at most MAX_GROUP heads: the loops run per kv head, so each K or
+ * V row is widened once for the whole group, the group's queries (for the scores) or outputs
+ * (for the sums) stay in registers across a block's tokens, and only the scores go through
+ * memory. The same arithmetic as attend_seq (float32 products and sums, online softmax per
+ * block); only the order of the additions inside a dot product differs. */
+#define MAX_GROUP 8
+static inline __attribute__((always_inline)) void attend_seq_avx512(
+    const float *restrict qs, const void *restrict k_cache, const void *restrict v_cache,
+    const int32_t *restrict blocks, const int64_t len, float *restrict os, float *restrict scratch,
+    const int64_t num_heads, const int64_t group, const int64_t num_kv_heads, const int NV, const int64_t block_size,
+    const int64_t row_stride, const float scale, const int kv_bf16) {
+    const int64_t head_dim = 16 * NV;
+    const int64_t block_floats = block_size * row_stride;
+    const int64_t block_bytes = block_floats * (kv_bf16 ? 2 : 4);
+    float *restrict p = scratch;                          /* [num_heads][block_size] */
+    float *restrict m = scratch + num_heads * block_size; /* running max per head */
+    float *restrict l = m + num_heads;                    /* running sum per head */
+    for (int64_t h = 0; h < num_heads; ++h) {
+        m[h] = 0.f;
+        l[h] = 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) os[h * head_dim + d] = 0.f;
+    }
+    for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+        const int64_t b = j0 / block_size;
+        const char *kb = KV_PTR(k_cache, (int64_t)blocks[b] * block_floats);
+        const char *vb = KV_PTR(v_cache, (int64_t)blocks[b] * block_floats);
+        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        /* the next block's K and V are requested a slice at a time, one slice per row read here,
+         * so the loads of this block's rows and the requests for the next overlap */
+        const int has_next = j0 + block_size < len;
+        const char *next_k = has_next ? KV_PTR(k_cache, (int64_t)blocks[b + 1] * block_floats) : kb;
+        const char *next_v = has_next ? KV_PTR(v_cache, (int64_t)blocks[b + 1] * block_floats) : vb;
+        const int64_t slice = block_bytes / (num_kv_heads * block_size); /* bytes requested per row read */
+        /* scores: p[h][t] = scale * q_h . k_t */
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+            __m512 q[MAX_GROUP][8];
+            for (int64_t hh = 0; hh < group; ++hh)
+                for (int i = 0; i < NV; ++i) q[hh][i] = _mm512_loadu_ps(qs + (g * group + hh) * head_dim + 16 * i);
+            for (int64_t t0 = 0; t0 < n; t0 += 16) { /* 16 tokens' products, then their 16 sums at once */
+                const int64_t nt = n - t0 < 16 ? n - t0 : 16;
+                __m512 acc[MAX_GROUP][16];
+                for (int64_t tt = 0; tt < 16; ++tt) {
+                    const int slot = SUM16_SLOT[tt];
+                    if (tt >= nt) {
+                        for (int64_t hh = 0; hh < group; ++hh) acc[hh][slot] = _mm512_setzero_ps();
+                        continue;
+                    }
+                    const int64_t t = t0 + tt;
+                    const char *k = KV_PTR(kb, t * row_stride + g * head_dim);
+                    if (has_next)
+                        for (int64_t c = 0; c < slice; c += 64)
+                            __builtin_prefetch(next_k + (g * block_size + t) * slice + c, 0, 1);
+                    __m512 kv[8];
+                    for (int i = 0; i < NV; ++i) kv[i] = kv_load16(k, 16 * i, kv_bf16);
+                    for (int64_t hh = 0; hh < group; ++hh) {
+                        __m512 a = _mm512_mul_ps(q[hh][0], kv[0]);
+                        for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(q[hh][i], kv[i], a);
+                        acc[hh][slot] = a;
+                    }
+                }
+                const __mmask16 mask = nt == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nt) - 1);
+                for (int64_t hh = 0; hh < group; ++hh)
+                    _mm512_mask_storeu_ps(p + (g * group + hh) * block_size + t0, mask,
+                                          _mm512_mul_ps(sum16(acc[hh]), _mm512_set1_ps(scale)));
+            }
+        }
+        /* online softmax over the block, per head (as attend_seq) */
+        float correction[num_heads];
+        for (int64_t h = 0; h < num_heads; ++h) {
+            float *ph = p + h * block_size;
+            __m512 vmax = _mm512_set1_ps(-3.0e38f);
+            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+                const __mmask16 mask = n - t0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
+                vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, ph + t0));
+            }
+            const float block_max = _mm512_reduce_max_ps(vmax);
+            const float new_max = (j0 == 0 || block_max > m[h]) ? block_max : m[h];
+            correction[h] = j0 == 0 ? 1.f : expf(m[h] - new_max);
+            __m512 vsum = _mm512_setzero_ps();
+            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+                const __mmask16 mask = n - t0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
+                const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, ph + t0), _mm512_set1_ps(new_max)));
+                _mm512_mask_storeu_ps(ph + t0, mask, e);
+                vsum = _mm512_mask_add_ps(vsum, mask, vsum, e);
+            }
+            l[h] = l[h] * correction[h] + _mm512_reduce_add_ps(vsum);
+            m[h] = new_max;
+        }
+        /* o_h = o_h * correction + sum_t p[h][t] v_t, the group's outputs in registers */
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+            __m512 o[MAX_GROUP][8];
+            for (int64_t hh = 0; hh < group; ++hh) {
+                const __m512 c = _mm512_set1_ps(correction[g * group + hh]);
+                for (int i = 0; i < NV; ++i)
+                    o[hh][i] = _mm512_mul_ps(c, _mm512_loadu_ps(os + (g * group + hh) * head_dim + 16 * i));
+            }
+            for (int64_t t = 0; t < n; ++t) {
+                const char *v = KV_PTR(vb, t * row_stride + g * head_dim);
+                if (has_next)
+                    for (int64_t c = 0; c < slice; c += 64) __builtin_prefetch(next_v + (g * block_size + t) * slice + c, 0, 1);
+                __m512 vv[8];
+                for (int i = 0; i < NV; ++i) vv[i] = kv_load16(v, 16 * i, kv_bf16);
+                for (int64_t hh = 0; hh < group; ++hh) {
+                    const __m512 w = _mm512_set1_ps(p[(g * group + hh) * block_size + t]);
+                    for (int i = 0; i < NV; ++i) o[hh][i] = _mm512_fmadd_ps(w, vv[i], o[hh][i]);
+                }
+            }
+            for (int64_t hh = 0; hh < group; ++hh)
+                for (int i = 0; i < NV; ++i) _mm512_storeu_ps(os + (g * group + hh) * head_dim + 16 * i, o[hh][i]);
+        }
+    }
+    for (int64_t h = 0; h < num_heads; ++h) {
+        const __m512 c = _mm512_set1_ps(1.f / l[h]);
+        for (int i = 0; i < NV; ++i)
+            _mm512_storeu_ps(os + h * head_dim + 16 * i, _mm512_mul_ps(c, _mm512_loadu_ps(os + h * head_dim + 16 * i)));
+    }
+}
+#endif
+
 /* Sequences [seq_begin, seq_end) of a float32 (kv_bf16 0) or bfloat16 (1) cache. */
 static inline __attribute__((always_inline)) void attend_range(
     const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
@@ -140,6 +304,17 @@ static inline __attribute__((always_inline)) void attend_range(
         const float *qs = q + seq * num_heads * head_dim;
         float *os = out + seq * num_heads * head_dim;
         const int64_t len = seq_lens[seq];
+#if defined(__AVX512F__)
+        if (group <= MAX_GROUP && (head_dim == 64 || head_dim == 128)) {
+            if (head_dim == 64)
+                attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 4,
+                                  block_size, row_stride, scale, kv_bf16);
+            else
+                attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 8,
+                                  block_size, row_stride, scale, kv_bf16);
+            continue;
+        }
+#endif
         /* constant head sizes let the compiler unroll the head_dim loops completely */
         switch (head_dim) {
         case 64:
