@@ -103,3 +103,36 @@ def load(source: Path, cflags: tuple[str, ...], what: str, libs: tuple[str, ...]
     except (OSError, subprocess.CalledProcessError) as e:
         log.warning("could not build the %s (%s)", what, getattr(e, "stderr", "") or e)
         return None
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime files mapped into this process (Linux; empty where /proc is not)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return set()
+    return {os.path.realpath(p) for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp", "libomp"))}
+
+
+def load_openmp(source: Path, cflags: tuple[str, ...], what: str) -> tuple[ctypes.CDLL | None, bool]:
+    """`source` built with -fopenmp and loaded, and whether its OpenMP team is torch's; else `load`'s, False.
+
+    torch's CPU wheel brings its OpenMP runtime as libgomp.so.1, loaded with torch: a library of
+    ours built with -fopenmp needs libgomp.so.1 and the dynamic loader hands it the one already
+    in the process, so an `omp parallel` region of ours runs on the threads torch's GEMMs use.
+    Where that does not hold (the runtime bundled under another name, as some torch builds do;
+    no OpenMP in the compiler), the library would bring a second runtime whose threads compete
+    with torch's: its OpenMP regions are then not to be used (False)."""
+    import torch  # noqa: F401  (its runtime loaded first)
+
+    before = _openmp_runtimes()
+    flags = tuple(f for f in cflags if f != "-fopenmp-simd") + ("-fopenmp",)
+    library = load(source, flags, f"{what} with OpenMP")
+    if library is not None:
+        after = _openmp_runtimes()
+        if len(before) == 1 and after == before:
+            return library, True
+        log.info("%s: not on torch's OpenMP team (runtimes in this process: %s)", what, ", ".join(sorted(after)) or "none")
+        return library, False
+    return load(source, cflags, what), False

@@ -6,7 +6,8 @@ float32 accumulation (llama.cpp quantizes the activations too, which changes the
 torch's int4/int8 weight-only ops take their own layouts and scales, and FBGEMM's dynamic
 int8 quantizes the activations), so this is a C kernel of ours, built like the decode
 attention kernel (`executor_svc.cbuild`), with its own small thread pool inside (one ctypes
-call per matmul: a Python thread hand-off per call would cost more than a small matmul).
+call per matmul: a Python thread hand-off per call would cost more than a small matmul): torch's
+OpenMP team where the library can share torch's runtime (`cbuild.load_openmp`), else a pthread pool.
 
 Every block type of llama.cpp's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and K-quant (Q2_K-Q6_K) families is
 fused with AVX2 + FMA + F16C (`csrc/gguf_avx2.h`; Q5_0/Q5_1 and the K-quants with AVX-512 F/BW/VL
@@ -45,7 +46,7 @@ class GGUFKernel:
     is shared).
     """
 
-    def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
+    def __init__(self, library: ctypes.CDLL, num_threads: int, openmp: bool = False) -> None:
         library.gguf_matmul.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]
         library.gguf_matmul.restype = None
         library.gguf_matmul_strided.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
@@ -56,10 +57,12 @@ class GGUFKernel:
         library.gguf_dequantize.restype = None
         library.gguf_supported.argtypes = [_int]
         library.gguf_set_threads.argtypes = [_int]
+        library.gguf_use_openmp.argtypes = [_int]
         self._lib = library
         library.gguf_max_k.restype = _i64
         self.max_k = library.gguf_max_k()
         self.simd = bool(library.gguf_simd())  # fused AVX2 loops (else the portable row path)
+        self.openmp = bool(library.gguf_use_openmp(int(openmp)))  # jobs on torch's OpenMP team
         self.num_threads = library.gguf_set_threads(max(1, num_threads))
         # one caller at a time (the C side's pool is one job at a time too), so one scratch will do
         self._scratch = torch.empty(0, dtype=torch.float32)
@@ -171,8 +174,9 @@ def get_kernel() -> GGUFKernel | None:
     global _kernel
     with _lock:
         if _kernel is False:
-            library = cbuild.load(SOURCE, CFLAGS, "GGUF matmul kernel (weights dequantized to float32 instead)")
-            _kernel = None if library is None else GGUFKernel(library, torch.get_num_threads())
+            library, openmp = cbuild.load_openmp(SOURCE, CFLAGS, "GGUF matmul kernel (weights dequantized to float32 instead)")
+            _kernel = None if library is None else GGUFKernel(library, torch.get_num_threads(), openmp)
             if _kernel is not None:
-                log.info("GGUF matmul kernel on %d thread(s)", _kernel.num_threads)
+                log.info("GGUF matmul kernel on %d thread(s)%s", _kernel.num_threads,
+                         " (torch's OpenMP team)" if _kernel.openmp else "")
         return _kernel

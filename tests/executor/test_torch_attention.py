@@ -278,6 +278,14 @@ def test_decode_kernel_switch_and_fallback(monkeypatch, tmp_path):
         assert list((tmp_path / "kernels").glob("paged_decode-*.so"))
 
 
+def openmp_is_torchs() -> bool:
+    """Whether a library of ours built with -fopenmp shares torch's OpenMP runtime in this process."""
+    from executor_svc import cbuild
+    from executor_svc.attention import cpu_decode
+
+    return cbuild.load_openmp(cpu_decode.SOURCE, cpu_decode.CFLAGS, "decode attention")[1]
+
+
 @pytest.mark.parametrize("num_threads", [1, 2, 5])
 def test_decode_kernel_thread_split(num_threads):
     """Any split of the sequences among threads gives the same output as one thread."""
@@ -295,6 +303,10 @@ def test_decode_kernel_thread_split(num_threads):
     out = kernel(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125)
     one = kernel(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125, work_split=[0, 11])
     torch.testing.assert_close(out, one, atol=0, rtol=0)
+    # the ranges on torch's OpenMP team (where the library shares its runtime) or on a pool of ours: the same bits
+    assert (kernel._parts is not None) == (num_threads > 1 and openmp_is_torchs())
+    pool = CpuDecodeKernel(kernel._library, num_threads, openmp=False)
+    torch.testing.assert_close(pool(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125), out, atol=0, rtol=0)
     torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, meta, 0.125), atol=2e-5, rtol=1e-4)
 
 

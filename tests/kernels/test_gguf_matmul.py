@@ -103,6 +103,27 @@ def test_matmul_equals_dequantized_weight(ggml_type, shape, num_rows, build, req
     assert_matmul_close(kernel.matmul(int(ggml_type), torch.from_numpy(packed), weight.shape[1], x), x, weight)
 
 
+def test_torchs_openmp_team_and_our_thread_pool_give_the_same_bits():
+    """The native kernel runs on torch's OpenMP team where its -fopenmp build shares torch's
+    runtime (this machine: torch's libgomp.so.1), else on a pthread pool of its own: each row of y
+    is one thread's either way, so the two give the same bits."""
+    native = get_kernel()
+    assert native.openmp == cbuild.load_openmp(gguf_kernel.SOURCE, gguf_kernel.CFLAGS, "GGUF kernel")[1]
+    if len(cbuild._openmp_runtimes()) == 1 and "libgomp" in next(iter(cbuild._openmp_runtimes())):
+        assert native.openmp, "torch's one runtime is libgomp.so.1: the kernel should share its team"
+    pool = GGUFKernel(cbuild.load(gguf_kernel.SOURCE, gguf_kernel.CFLAGS, "GGUF kernel"), 2, openmp=False)
+    assert not pool.openmp and pool.num_threads == 2
+    for ggml_type in (T.Q4_1, T.Q4_K, T.Q6_K):
+        blocks = packed_weight(ggml_type, 301, 3, seed=7)
+        packed, k = torch.from_numpy(blocks), quants.dequantize(blocks, ggml_type).shape[1]
+        for num_rows in (1, 9, 40):
+            x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows))
+            torch.testing.assert_close(native.matmul(int(ggml_type), packed, k, x), pool.matmul(int(ggml_type), packed, k, x),
+                                       atol=0, rtol=0)
+        torch.testing.assert_close(native.dequantize(int(ggml_type), packed, k), pool.dequantize(int(ggml_type), packed, k),
+                                   atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("num_rows", [1, 3, 9])
 def test_portable_matmul_equals_dequantized_weight(ggml_type, num_rows, portable_kernel):

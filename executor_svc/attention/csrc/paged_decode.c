@@ -18,8 +18,10 @@
  * bits are the high half of the float) and computes as the float32 one does; q and out stay
  * float32 (the caller casts a bfloat16 query in and the output back).
  *
- * Built with -fopenmp-simd only: the simd pragmas vectorise the head_dim loops; no OpenMP
- * runtime is linked (torch brings its own). -ffast-math lets expf vectorise (libmvec) and
+ * Built with -fopenmp where the compiler has it, else -fopenmp-simd: the simd pragmas vectorise
+ * the head_dim loops either way. With -fopenmp, paged_decode_attention_parts runs the ranges on
+ * the OpenMP team, which is torch's own when the process has one OpenMP runtime (the library's
+ * libgomp.so.1 is then torch's, already loaded: the caller checks); -ffast-math lets expf vectorise (libmvec) and
  * the dot products reassociate; no infinity or NaN is ever formed here (the running max
  * starts from the first block's).
  */
@@ -350,3 +352,25 @@ void paged_decode_attention_bf16(const float *restrict q, const uint16_t *restri
     attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch, num_heads, num_kv_heads, head_dim,
                  block_size, scale, seq_begin, seq_end, 1);
 }
+
+#ifdef _OPENMP
+/* The ranges [bounds[i], bounds[i + 1]) for i < parts, one per thread of an OpenMP team of
+ * `parts` threads: in a process whose one OpenMP runtime is torch's, the same threads its GEMMs
+ * use (still spinning after the last one), where a pool of our own would compete with them for
+ * the cores. Range i uses scratch + i * scratch_stride. */
+void paged_decode_attention_parts(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
+                                  const int32_t *restrict table, int64_t table_stride, const int32_t *restrict seq_lens,
+                                  float *restrict out, float *restrict scratch, int64_t scratch_stride,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  float scale, const int64_t *restrict bounds, int64_t parts, int64_t kv_bf16) {
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int64_t i = 0; i < parts; ++i) {
+        if (kv_bf16)
+            attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch + i * scratch_stride, num_heads,
+                         num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1], 1);
+        else
+            attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch + i * scratch_stride, num_heads,
+                         num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1], 0);
+    }
+}
+#endif
