@@ -133,6 +133,7 @@ def load_openmp(source: Path, cflags: tuple[str, ...], what: str) -> tuple[ctype
         after = _openmp_runtimes()
         if len(before) == 1 and after == before:
             return library, True
-        log.info("%s: not on torch's OpenMP team (runtimes in this process: %s)", what, ", ".join(sorted(after)) or "none")
+        log.info("%s: not on torch's OpenMP team (runtimes in this process: %s)", what,
+                 ", ".join(sorted(after)) or "none")
         return library, False
     return load(source, cflags, what), False

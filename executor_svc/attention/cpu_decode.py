@@ -69,7 +69,8 @@ class CpuDecodeKernel:
 
     @classmethod
     def load(cls, num_threads: int | None = None) -> CpuDecodeKernel | None:
-        library, openmp = cbuild.load_openmp(SOURCE, CFLAGS, "CPU decode attention kernel (SDPA on gathered blocks instead)")
+        what = "CPU decode attention kernel (SDPA on gathered blocks instead)"
+        library, openmp = cbuild.load_openmp(SOURCE, CFLAGS, what)
         if library is None:
             return None
         kernel = cls(library, num_threads or torch.get_num_threads(), openmp)

@@ -174,7 +174,8 @@ def get_kernel() -> GGUFKernel | None:
     global _kernel
     with _lock:
         if _kernel is False:
-            library, openmp = cbuild.load_openmp(SOURCE, CFLAGS, "GGUF matmul kernel (weights dequantized to float32 instead)")
+            what = "GGUF matmul kernel (weights dequantized to float32 instead)"
+            library, openmp = cbuild.load_openmp(SOURCE, CFLAGS, what)
             _kernel = None if library is None else GGUFKernel(library, torch.get_num_threads(), openmp)
             if _kernel is not None:
                 log.info("GGUF matmul kernel on %d thread(s)%s", _kernel.num_threads,

@@ -118,10 +118,10 @@ def test_torchs_openmp_team_and_our_thread_pool_give_the_same_bits():
         packed, k = torch.from_numpy(blocks), quants.dequantize(blocks, ggml_type).shape[1]
         for num_rows in (1, 9, 40):
             x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows))
-            torch.testing.assert_close(native.matmul(int(ggml_type), packed, k, x), pool.matmul(int(ggml_type), packed, k, x),
-                                       atol=0, rtol=0)
-        torch.testing.assert_close(native.dequantize(int(ggml_type), packed, k), pool.dequantize(int(ggml_type), packed, k),
-                                   atol=0, rtol=0)
+            got, want = (kernel.matmul(int(ggml_type), packed, k, x) for kernel in (native, pool))
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        got, want = (kernel.dequantize(int(ggml_type), packed, k) for kernel in (native, pool))
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)

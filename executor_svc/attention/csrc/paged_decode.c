@@ -366,11 +366,11 @@ void paged_decode_attention_parts(const float *restrict q, const void *restrict 
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
     for (int64_t i = 0; i < parts; ++i) {
         if (kv_bf16)
-            attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch + i * scratch_stride, num_heads,
-                         num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1], 1);
+            attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch + i * scratch_stride,
+                         num_heads, num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1], 1);
         else
-            attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch + i * scratch_stride, num_heads,
-                         num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1], 0);
+            attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch + i * scratch_stride,
+                         num_heads, num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1], 0);
     }
 }
 #endif
