@@ -155,6 +155,18 @@ def resolve_quantization(quantization: str, model_dir: Path, device: torch.devic
     return "gguf" if keeps else "none"
 
 
+
+def finite_rows(logits: torch.Tensor) -> list[bool]:
+    """Whether each row of `logits` is all finite. A row whose float sum is finite is (a NaN or an
+    infinity in it makes the sum NaN or infinite), so one pass decides the usual case; the rows
+    whose sum is not finite (an overflow of finite values, in principle) are checked element by
+    element. `isfinite(logits).all(-1)` alone took ~2.7 ms a step at 48 rows of a 49,152-token
+    vocabulary, the sum 0.06 ms."""
+    ok = torch.isfinite(logits.sum(dim=-1))
+    if not bool(ok.all()):
+        ok = torch.isfinite(logits).all(dim=-1)
+    return ok.tolist()
+
 class ModelRunner:
     """A model replica, its KV cache and the state of the requests it holds."""
 
@@ -451,7 +463,7 @@ class ModelRunner:
         if not req_ids:
             return [], []
         errors: list[RequestError] = []
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        finite = finite_rows(logits)
         if not all(finite):
             keep = [i for i, ok in enumerate(finite) if ok]
             errors += [RequestError(r, "the model produced non-finite logits (NaN or Inf)") for r, ok in zip(req_ids, finite) if not ok]
@@ -514,7 +526,7 @@ class ModelRunner:
         verified alone. Its rows are contiguous (`row_req_ids` lists each request k + 1 times).
         """
         errors: list[RequestError] = []
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        finite = finite_rows(logits)
         if not all(finite):
             bad = {r for r, ok in zip(row_req_ids, finite) if not ok}
             errors += [RequestError(r, "the model produced non-finite logits (NaN or Inf)") for r in dict.fromkeys(row_req_ids) if r in bad]

@@ -160,3 +160,14 @@ def test_mixed_batch_greedy_rows_stay_greedy():
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
     kept = filter_logits(logits[3:4] / 0.5, [0], [1.0], [0.5])
     assert torch.isfinite(kept[0, out[3]])
+
+
+def test_finite_rows_finds_every_nan_and_infinity_and_no_overflowing_sum():
+    from executor_svc.model_runner import finite_rows
+
+    logits = torch.randn(6, 1000)
+    logits[1, 5], logits[2, 999], logits[3, 0] = float("nan"), float("inf"), -float("inf")
+    logits[4, :2] = 3e38  # finite values whose float32 sum overflows: still finite rows
+    logits[5, 7], logits[5, 8] = float("inf"), -float("inf")  # a NaN sum
+    assert finite_rows(logits) == [True, False, False, False, True, False]
+    assert finite_rows(torch.randn(3, 50)) == [True] * 3
