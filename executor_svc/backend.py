@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from executor_svc.attention import AttentionBackend, get_backend
-from executor_svc.quant.gguf_linear import BF16_FUSED_MAX_ROWS, FUSED_MAX_ROWS
+from executor_svc.quant.gguf_linear import BF16_COPY_FUSED_MAX_ROWS, BF16_FUSED_MAX_ROWS, FUSED_MAX_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ class BackendOptions:
     cpu_decode_path: bool = True  # a GGUF model's decode steps as a row of C calls (cpu_decode_path.py)
     gguf_kernel: bool = True  # GGUF weights kept in their blocks on a CPU (else dequantized at load)
     gguf_fused_max_rows: int = FUSED_MAX_ROWS  # float32 x: above this many rows a GGUF linear dequantizes into a GEMM
-    gguf_bf16_fused_max_rows: int = BF16_FUSED_MAX_ROWS  # bfloat16 x: the same, for weights of one dequantization tile
+    # bfloat16 x: the same, for weights of one dequantization tile; None: BF16_FUSED_MAX_ROWS, or
+    # BF16_COPY_FUSED_MAX_ROWS with gguf_bf16_weights (a GEMM on the copy costs no dequantization)
+    gguf_bf16_fused_max_rows: int | None = None
     # bfloat16 models: a bfloat16 copy of each GGUF weight beside its blocks, for the GEMM rows (batches,
     # prefill; 2 bytes a weight more), instead of dequantizing a tile per call
     gguf_bf16_weights: bool = False
@@ -50,6 +52,8 @@ class BackendOptions:
     def __post_init__(self) -> None:
         for name in ("gguf_fused_max_rows", "gguf_bf16_fused_max_rows"):
             value = getattr(self, name)
+            if value is None and name == "gguf_bf16_fused_max_rows":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
 
@@ -76,6 +80,13 @@ class BackendOptions:
                 raise ValueError(f"{variable}={raw!r}: expected 0 or 1")
         values.update(overrides)
         return cls(**values)
+
+    @property
+    def bf16_fused_rows(self) -> int:
+        """`gguf_bf16_fused_max_rows` as it applies (its default resolved)."""
+        if self.gguf_bf16_fused_max_rows is not None:
+            return self.gguf_bf16_fused_max_rows
+        return BF16_COPY_FUSED_MAX_ROWS if self.gguf_bf16_weights else BF16_FUSED_MAX_ROWS
 
     def describe(self) -> str:
         """The fields that differ from the defaults, for the executor's start-up line."""
@@ -136,7 +147,7 @@ class Backend:
             if isinstance(module, GGUFLinear):
                 if self.options.gguf_bf16_weights and module is not lookups_only:
                     module.keep_bf16_weight()
-                module.set_row_thresholds(self.options.gguf_fused_max_rows, self.options.gguf_bf16_fused_max_rows)
+                module.set_row_thresholds(self.options.gguf_fused_max_rows, self.options.bf16_fused_rows)
         if self.attention.name == "triton":
             from executor_svc.fused_ops import triton_model_ops
 
@@ -151,7 +162,7 @@ class Backend:
 
             # up to the rows where the GGUF linears leave the fused kernel for a GEMM in the model's dtype
             bf16 = self.dtype == torch.bfloat16
-            max_rows = self.options.gguf_bf16_fused_max_rows if bf16 else self.options.gguf_fused_max_rows
+            max_rows = self.options.bf16_fused_rows if bf16 else self.options.gguf_fused_max_rows
             self.decode_step = CpuDecodePath.build(model, self.attention, self.cpu_ops, max_rows)
         elif not self.options.cpu_decode_path:
             log.info("CPU decode path off (options: cpu_decode_path=False)")

@@ -51,6 +51,13 @@ FUSED_MAX_ROWS = 64
 # rows (there, ms: rows 16: 43 / 17, 32: 50 / 31, 48: 49 / 52, 64: 59 / 60, 128: 77 / 127).
 # The default of `BackendOptions.gguf_bf16_fused_max_rows` (PAGODA_GGUF_BF16_FUSED_MAX_ROWS for side-by-side runs).
 BF16_FUSED_MAX_ROWS = 16
+# The same where the linear keeps a bfloat16 copy of its weight (`keep_bf16_weight`, the
+# executor's --gguf-bf16-weights): nothing to dequantize per call, so the GEMM wins sooner. A
+# decode step of the default model through the C decode path (AMD EPYC, AVX-512 BF16, no AMX,
+# 2 threads, 256 tokens of context; ms, fused up to 4 / 8 rows): rows 4: 14.9 / 14.6,
+# 5: 20.9 / 20.8, 6: 21.7 / 22.6, 7: 24.4 / 25.3, 8: 24.3 / 26.3; fused up to 16: rows 12: 34.2
+# against 27.8, 16: 42.4 against 32.8.
+BF16_COPY_FUSED_MAX_ROWS = 5
 # the row count oneDNN blocks a packed bfloat16 copy for (`keep_bf16_weight`): 16-256 measured alike
 PACK_ROWS_HINT = 64
 

@@ -14,7 +14,7 @@ from executor_svc.fused_ops import cpu_ops_library
 from executor_svc.model import ModelOps
 from executor_svc.model_runner import ModelRunner
 from executor_svc.quant.gguf_kernel import get_kernel
-from executor_svc.quant.gguf_linear import GGUFLinear
+from executor_svc.quant.gguf_linear import BF16_COPY_FUSED_MAX_ROWS, BF16_FUSED_MAX_ROWS, GGUFLinear
 from pagoda import model_files
 from tests.executor.plans import PlanBuilder, run_to_completion
 
@@ -101,4 +101,13 @@ def test_bfloat16_takes_the_decode_step_but_keeps_torch_ops_in_its_modules(defau
     runner = ModelRunner(default_model_dir, device="cpu", dtype="bfloat16", block_size=16, num_kv_blocks=16)
     assert runner.model.dtype == torch.bfloat16 and runner.model.ops == ModelOps()
     step = runner.backend.decode_step
-    assert step is not None and step.max_rows == runner.backend.options.gguf_bf16_fused_max_rows
+    assert step is not None and step.max_rows == runner.backend.options.bf16_fused_rows == BF16_FUSED_MAX_ROWS
+
+
+def test_the_bf16_fused_rows_default_depends_on_the_bf16_copy():
+    """Fused up to 16 rows of bfloat16 x on the blocks alone; with a bfloat16 copy of the weights
+    the GEMM wins from 6 rows; a value given wins either way."""
+    assert BackendOptions().bf16_fused_rows == BF16_FUSED_MAX_ROWS == 16
+    assert BackendOptions(gguf_bf16_weights=True).bf16_fused_rows == BF16_COPY_FUSED_MAX_ROWS == 5
+    assert BackendOptions(gguf_bf16_weights=True, gguf_bf16_fused_max_rows=16).bf16_fused_rows == 16
+    assert BackendOptions.from_env({"PAGODA_GGUF_BF16_FUSED_MAX_ROWS": "7"}).bf16_fused_rows == 7
