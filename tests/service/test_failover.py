@@ -354,6 +354,11 @@ def test_sigterm_to_the_scheduler_lets_streams_in_flight_finish(reference, hf_re
     _, tokenizer = hf_reference
     with Service(num_executors=1, executor_args=EXECUTOR_ARGS) as svc:
         streams = start_streams(svc, CHATS[:4], max_tokens=32)
+        # and one that outlasts the probe below however fast the others finish: once every stream
+        # has ended the server is gone, and a late probe would find no grace period to be refused in
+        long = Stream(svc.stub, CHATS[4], request=greedy_request(chat=[("user", CHATS[4])], max_tokens=400,
+                                                                 ignore_eos=True))
+        long.wait_tokens(3)
         svc.scheduler.send_signal(signal.SIGTERM)
         log = svc.logdir / "scheduler.log"
         wait_until(lambda: "INFO scheduler_svc: stopping" in log.read_text(), 10, "the scheduler stops")
@@ -364,6 +369,8 @@ def test_sigterm_to_the_scheduler_lets_streams_in_flight_finish(reference, hf_re
         # The streams in flight end normally, whole.
         for stream in streams:
             assert_is_reference(stream, reference, tokenizer, max_tokens=32)
+        result = long.result()
+        assert len(result["outputs"][0]["token_ids"]) == 400  # whole
         assert svc.scheduler.wait(timeout=20) == 0
         # The executor outlives it (weights and cache kept), waiting for the next scheduler (#16); it
         # learns of the stop from the notice, or from the drop when the notice is lost to it.
