@@ -155,7 +155,6 @@ def resolve_quantization(quantization: str, model_dir: Path, device: torch.devic
     return "gguf" if keeps else "none"
 
 
-
 def finite_rows(logits: torch.Tensor) -> list[bool]:
     """Whether each row of `logits` is all finite. A row whose float sum is finite is (a NaN or an
     infinity in it makes the sum NaN or infinite), so one pass decides the usual case; the rows
@@ -166,6 +165,7 @@ def finite_rows(logits: torch.Tensor) -> list[bool]:
     if not bool(ok.all()):
         ok = torch.isfinite(logits).all(dim=-1)
     return ok.tolist()
+
 
 class ModelRunner:
     """A model replica, its KV cache and the state of the requests it holds."""
