@@ -86,16 +86,19 @@ void pagoda_write_kv(const float *k, const float *v, int64_t src_stride, float *
     }
 }
 
-// x[t] = [gate | up] -> out[t] = gelu(gate) * up, gelu's tanh approximation as torch computes it
-// (F.gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))): Gemma's GeGLU
+// x[t] = [gate | up] -> out[t] = gelu(gate) * up, gelu's tanh approximation (F.gelu(approximate="tanh"):
+// 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3)): Gemma's GeGLU. Computed as g sigmoid(2 z), the
+// same function (0.5 (1 + tanh z) = 1 / (1 + exp(-2 z))), through expf, which vectorises (libmvec) as
+// silu's does, where tanhf stays a scalar call: 37 -> 3 us a row of 2048 (Gemma 3 270M's width).
+// Within a few float32 ulps of torch's formula (tests/kernels/test_cpu_ops.py).
 void pagoda_gelu_tanh_and_mul(const float *x, int64_t rows, int64_t n, float *out) {
-    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    const float two_beta = 2.0f * 0.7978845608028654f, kappa = 0.044715f;
     for (int64_t t = 0; t < rows; t++) {
         const float *g = x + t * 2 * n, *u = g + n;
         float *o = out + t * n;
         for (int64_t i = 0; i < n; i++) {
-            float v = g[i];
-            o[i] = 0.5f * v * (1.0f + tanhf(beta * (v + kappa * v * v * v))) * u[i];
+            const float v = g[i];
+            o[i] = v / (1.0f + expf(-two_beta * (v + kappa * v * v * v))) * u[i];
         }
     }
 }

@@ -92,7 +92,7 @@ def backend(decode_kernel: bool) -> TorchBackend:
 
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "kernel"])
 @pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 16), (8, 1, 128)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 16), (8, 1, 128), (4, 1, 256)])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_matches_reference(case, num_heads, num_kv_heads, head_dim, block_size, decode_kernel):
     context_lens, query_lens = CASES[case]
@@ -311,7 +311,7 @@ def test_decode_kernel_thread_split(num_threads):
 
 
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "kernel"])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 2, 48)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 2, 48), (4, 1, 256)])
 @pytest.mark.parametrize("case", [1, 3, 7, 8])
 def test_bf16_cache_matches_reference(case, num_heads, num_kv_heads, head_dim, decode_kernel):
     """bfloat16 q, k, v and cache (a `--dtype bfloat16` model): bfloat16 out, within bfloat16 rounding

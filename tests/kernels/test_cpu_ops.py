@@ -57,6 +57,24 @@ def test_silu_and_mul(rows, width):
     torch.testing.assert_close(OPS.silu_and_mul(x), torch_ops.silu_and_mul(x), atol=1e-6, rtol=4e-7)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("width", [2048, 3])
+def test_gelu_tanh_and_mul_equals_torch(rows, width):
+    """Gemma's GeGLU in C (the decode path's call), as g sigmoid(2 z): torch's tanh form within float32
+    rounding, over gates from -12 to 12 (both tails, where 1 + tanh(z) cancels) and exact zeros."""
+    import torch.nn.functional as F
+
+    gate = torch.linspace(-12, 12, rows * width).view(rows, width)
+    gate[:, ::7] = 0.0
+    up = torch.randn(rows, width)
+    x = torch.cat([gate, up], dim=1).contiguous()
+    out = torch.empty(rows, width)
+    fused_ops.cpu_ops_library().pagoda_gelu_tanh_and_mul(x.data_ptr(), rows, width, out.data_ptr())
+    want = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=2e-6)
+    assert (out[:, ::7] == 0).all()
+
+
 def test_other_dtypes_take_the_torch_path():
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     weight = torch.ones(64, dtype=torch.bfloat16)

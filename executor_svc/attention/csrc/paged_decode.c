@@ -173,13 +173,14 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
 }
 
-/* attend_seq with AVX-512 registers, for head_dim = 16 * NV (NV a constant in each inlined copy)
+/* attend_seq with AVX-512 registers, for head_dim = 16 * NV, NV <= MAX_NV (a constant in each inlined copy)
  * and a grouped-query group of at most MAX_GROUP heads: the loops run per kv head, so each K or
  * V row is widened once for the whole group, the group's queries (for the scores) or outputs
  * (for the sums) stay in registers across a block's tokens, and only the scores go through
  * memory. The same arithmetic as attend_seq (float32 products and sums, online softmax per
  * block); only the order of the additions inside a dot product differs. */
 #define MAX_GROUP 8
+#define MAX_NV 16 /* head_dim 256 (Gemma 2 and 3): the group's queries spill to the stack, L1 reads */
 static inline __attribute__((always_inline)) void attend_seq_avx512(
     const float *restrict qs, const void *restrict k_cache, const void *restrict v_cache,
     const int32_t *restrict blocks, const int64_t len, float *restrict os, float *restrict scratch,
@@ -209,7 +210,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         const int64_t slice = block_bytes / (num_kv_heads * block_size); /* bytes requested per row read */
         /* scores: p[h][t] = scale * q_h . k_t */
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-            __m512 q[MAX_GROUP][8];
+            __m512 q[MAX_GROUP][MAX_NV];
             for (int64_t hh = 0; hh < group; ++hh)
                 for (int i = 0; i < NV; ++i) q[hh][i] = _mm512_loadu_ps(qs + (g * group + hh) * head_dim + 16 * i);
             for (int64_t t0 = 0; t0 < n; t0 += 16) { /* 16 tokens' products, then their 16 sums at once */
@@ -226,7 +227,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
                     if (has_next)
                         for (int64_t c = 0; c < slice; c += 64)
                             __builtin_prefetch(next_k + (g * block_size + t) * slice + c, 0, 1);
-                    __m512 kv[8];
+                    __m512 kv[MAX_NV];
                     for (int i = 0; i < NV; ++i) kv[i] = kv_load16(k, 16 * i, kv_bf16);
                     for (int64_t hh = 0; hh < group; ++hh) {
                         __m512 a = _mm512_mul_ps(q[hh][0], kv[0]);
@@ -264,7 +265,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         }
         /* o_h = o_h * correction + sum_t p[h][t] v_t, the group's outputs in registers */
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-            __m512 o[MAX_GROUP][8];
+            __m512 o[MAX_GROUP][MAX_NV];
             for (int64_t hh = 0; hh < group; ++hh) {
                 const __m512 c = _mm512_set1_ps(correction[g * group + hh]);
                 for (int i = 0; i < NV; ++i)
@@ -274,7 +275,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
                 const char *v = KV_PTR(vb, t * row_stride + g * head_dim);
                 if (has_next)
                     for (int64_t c = 0; c < slice; c += 64) __builtin_prefetch(next_v + (g * block_size + t) * slice + c, 0, 1);
-                __m512 vv[8];
+                __m512 vv[MAX_NV];
                 for (int i = 0; i < NV; ++i) vv[i] = kv_load16(v, 16 * i, kv_bf16);
                 for (int64_t hh = 0; hh < group; ++hh) {
                     const __m512 w = _mm512_set1_ps(p[(g * group + hh) * block_size + t]);
@@ -307,12 +308,15 @@ static inline __attribute__((always_inline)) void attend_range(
         float *os = out + seq * num_heads * head_dim;
         const int64_t len = seq_lens[seq];
 #if defined(__AVX512F__)
-        if (group <= MAX_GROUP && (head_dim == 64 || head_dim == 128)) {
+        if (group <= MAX_GROUP && (head_dim == 64 || head_dim == 128 || head_dim == 256)) {
             if (head_dim == 64)
                 attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 4,
                                   block_size, row_stride, scale, kv_bf16);
-            else
+            else if (head_dim == 128)
                 attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 8,
+                                  block_size, row_stride, scale, kv_bf16);
+            else
+                attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 16,
                                   block_size, row_stride, scale, kv_bf16);
             continue;
         }

@@ -129,6 +129,10 @@ INLINE void tiles(const int type, const job_t *j, const int64_t n0, const int64_
     const int simple = type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0 || type == I8_ROW;
     int64_t m0 = 0;
 #if GGUF_AVX512
+    if (j->M == 1 && one_row_512(type)) {
+        rows_512_1(type, j->w, j->row_bytes, j->K, j->x, j->xs, j->y, n0, n1);
+        return;
+    }
     if (!simple) {
         for (; m0 < j->M; m0 += WIDE_TILE) {
             const int64_t mt = j->M - m0 < WIDE_TILE ? j->M - m0 : WIDE_TILE;
