@@ -206,6 +206,8 @@ BUCKET_CALL_COST = 256
 
 
 def _build_layout(meta: AttentionMetadata, block_size: int, kernel=None) -> _StepLayout:
+    if kernel is not None and meta.max_query_len == 1 and meta.slot_mapping.shape[0] == meta.seq_lens.shape[0]:
+        return _decode_only_layout(meta, block_size, kernel)
     slot_mapping = meta.slot_mapping.long()
     written = slot_mapping >= 0
     if bool(written.all()):
@@ -246,6 +248,22 @@ def _build_layout(meta: AttentionMetadata, block_size: int, kernel=None) -> _Ste
         ids = long_ids.new_tensor([seq_id])
         groups.append(_prefill_group(ids, starts, query_lens, seq_lens, meta.block_table, block_size, num_seqs == 1))
     return _StepLayout(write_rows=write_rows, write_slots=write_slots, groups=groups)
+
+
+def _decode_only_layout(meta: AttentionMetadata, block_size: int, kernel) -> _StepLayout:
+    """A step of decodes only (one token per sequence, in order): _build_layout's kernel group with
+    a few tensor ops instead of its twenty (about 50 us a step and KV cache group on this CPU; six
+    groups for Gemma 3)."""
+    slot_mapping = meta.slot_mapping.long()
+    if bool((slot_mapping >= 0).all()):
+        write_rows, write_slots = None, slot_mapping
+    else:
+        write_rows = (slot_mapping >= 0).nonzero().squeeze(1)
+        write_slots = slot_mapping[write_rows]
+    lens = meta.seq_lens.to(torch.int32)
+    table = meta.block_table[:, : -(-meta.max_seq_len // block_size)].to(torch.int32)
+    group = _Group(slice(None), table, None, 1, None, None, kernel_lens=lens, kernel_split=kernel.split(lens))
+    return _StepLayout(write_rows=write_rows, write_slots=write_slots, groups=[group])
 
 
 def _length_buckets(sorted_lens: list[int], block_size: int) -> list[slice]:

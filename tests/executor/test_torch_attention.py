@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -238,6 +239,30 @@ def test_layout_is_rebuilt_for_each_step(decode_kernel):
         q, k, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
         out = b.forward(q, k, v, k_cache, v_cache, meta, 0.35)
         torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, meta, 0.35), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("skip_slot", [False, True])
+def test_a_decode_only_step_takes_the_short_layout_and_it_equals_the_general_one(skip_slot, monkeypatch):
+    from executor_svc.attention import torch_backend
+
+    kernel = backend(True).decode_kernel
+    meta = make_step([5, 17, 2], [1, 1, 1], 4, 16, 3)
+    if skip_slot:
+        meta.slot_mapping[1] = -1
+    general = torch_backend._build_layout(dataclasses.replace(meta, max_query_len=2), 4, kernel)  # not the short path
+    taken = []
+    short_layout = torch_backend._decode_only_layout
+    monkeypatch.setattr(torch_backend, "_decode_only_layout", lambda *a: taken.append(1) or short_layout(*a))
+    short = torch_backend._build_layout(meta, 4, kernel)
+    assert taken == [1]
+    if skip_slot:
+        assert short.write_rows.tolist() == general.write_rows.tolist() == [0, 2]
+    else:
+        assert short.write_rows is None and general.write_rows is None
+    assert torch.equal(short.write_slots, general.write_slots)
+    (got,), (want,) = short.groups, general.groups
+    assert got.token_rows == want.token_rows == slice(None) and got.kernel_split == want.kernel_split
+    assert torch.equal(got.kernel_lens, want.kernel_lens) and torch.equal(got.block_table, want.block_table)
 
 
 def test_copy_blocks():
