@@ -13,11 +13,13 @@ decode-attention kernel), in the same order on the same values, so the hidden st
 same to the bit (tests/executor/test_cpu_decode_path.py). It takes a step only when every
 token is a decode, at most `max_rows` of them (the GGUF linears' fused-kernel threshold: above
 it they dequantize into a GEMM), and every slot is written; any other step
-goes through the modules. The attention of a step with many keys is split over the torch
-threads, as the module path does (`ONE_THREAD_KEYS`).
+goes through the modules. The attention runs on torch's OpenMP team where the kernel shares it
+(`parts_function`: whole sequences, and a long one split into parts, over every thread, as
+the module path's kernel call does); else on the calling thread, or split over the torch
+threads above `ONE_THREAD_KEYS`.
 
 It is `executor_svc.backend.Backend`'s decode step, built from public handles: the GGUF
-kernel's `matmul_fn`, the decode-attention kernel's `c_function`, the attention backend's
+kernel's `matmul_fn`, the decode-attention kernel's `parts_function` / `c_function`, the attention backend's
 `step_layout` and the C ops' library.
 """
 
@@ -35,8 +37,8 @@ from executor_svc.quant.gguf_linear import GGUFLinear
 
 log = logging.getLogger(__name__)
 
-# Up to this many keys attended in a step (all sequences together) the attention runs on the
-# calling thread, one ctypes call; above it, through the kernel's wrapper, which splits the
+# Without the kernel's OpenMP entry: up to this many keys attended in a step (all sequences together) the
+# attention runs on the calling thread, one ctypes call; above it, through the kernel's wrapper, which splits the
 # sequences over the torch threads (about 15 us more a layer, less than one thread's extra time).
 ONE_THREAD_KEYS = 2048
 F32 = 4  # bytes
@@ -86,6 +88,8 @@ class CpuDecodePath:
         kernel = next(m for m in model.modules() if isinstance(m, GGUFLinear)).kernel
         self._gguf, self._gguf_strided = kernel.matmul_fn, kernel.matmul_strided_fn
         self._kernel = attention.decode_kernel
+        # on torch's OpenMP team: every step's attention over all threads (a long sequence split into parts)
+        self._parts = self._kernel.parts_function
         # per cache dtype: (the C K/V write, the C decode attention)
         self._cache_calls = {
             torch.float32: (library.pagoda_write_kv, self._kernel.c_function(torch.float32)),
@@ -221,6 +225,7 @@ class CpuDecodePath:
         if calls is None:
             return None
         write_kv, attend = calls
+        kv_bf16 = int(k_cache0.dtype == torch.bfloat16)
         layouts = {}
         for m in metas:
             if id(m) not in layouts:
@@ -249,7 +254,8 @@ class CpuDecodePath:
         gate_up = torch.empty(rows, 2 * inter)
         act = torch.empty(rows, inter)
         side = torch.empty(rows, hid) if self.sandwich else None  # a sandwich norm's output
-        scratch = torch.empty(c.num_heads * (block_size + 2))
+        kernel_threads = self._kernel.num_threads
+        scratch = torch.empty(kernel_threads, self._kernel.scratch_floats(c.num_heads, block_size))
         self._scratch_ptr = self._scratch.data_ptr()
 
         ops, matmul = self._ops, self._matmul
@@ -284,7 +290,12 @@ class CpuDecodePath:
             rotary(QKV, qkv_width, Q, q_size, rows, heads, head_dim, COS, SIN)
             rotary(K, qkv_width, K, qkv_width, rows, kv_heads, head_dim, COS, SIN)
             write_kv(K, V, qkv_width, KC, VC, slots.data_ptr(), rows, kv_size)
-            if m.max_seq_len * num_seqs <= ONE_THREAD_KEYS:
+            if self._parts is not None:
+                self._parts(Q, KC, VC, table.data_ptr(), table.stride(0), lens.data_ptr(), A, SCRATCH,
+                            scratch.stride(0), heads, kv_heads, head_dim, block_size, layer.scale, num_seqs,
+                            kernel_threads, kv_bf16)
+                out = attn
+            elif m.max_seq_len * num_seqs <= ONE_THREAD_KEYS:
                 attend(Q, KC, VC, table.data_ptr(), table.stride(0), lens.data_ptr(), A, SCRATCH, heads, kv_heads,
                        head_dim, block_size, layer.scale, 0, num_seqs)
                 out = attn

@@ -57,12 +57,12 @@ class CpuDecodeKernel:
         self._fns = fns
         self._library = library
         self.num_threads = max(1, num_threads)
-        self._parts = None  # paged_decode_attention_parts: the ranges on torch's OpenMP team
+        self._parts = None  # paged_decode_attention_parts: sequences, and parts of long ones, on torch's team
         self._pool = None
         if openmp and self.num_threads > 1:
             self._parts = library.paged_decode_attention_parts
             self._parts.argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, *[_c_int64] * 5, _c_float,
-                                    _ptr, _c_int64, _c_int64]
+                                    *[_c_int64] * 3]
             self._parts.restype = None
         elif self.num_threads > 1:
             self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="decode-attn")
@@ -77,6 +77,25 @@ class CpuDecodeKernel:
         log.info("decode attention: CPU kernel on %d thread(s)%s", kernel.num_threads,
                  " (torch's OpenMP team)" if kernel._parts is not None else "")
         return kernel
+
+    @staticmethod
+    def scratch_floats(num_heads: int, block_size: int) -> int:
+        """Floats of scratch one thread of the kernel needs."""
+        return num_heads * (block_size + 2)
+
+    @property
+    def parts_function(self):
+        """The C entry that runs a step's sequences on torch's OpenMP team (None without one), for callers
+        that run a whole step in C::
+
+            paged_decode_attention_parts(q, k_cache, v_cache, block_table, table_stride, seq_lens, out, scratch,
+                                         scratch_stride, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                         num_seqs, threads, kv_bf16)
+
+        scratch: `threads` rows of `scratch_floats` floats, `scratch_stride` floats apart; `threads` the
+        kernel's `num_threads`. The same bits as `c_function` over every sequence.
+        """
+        return self._parts
 
     def c_function(self, dtype: torch.dtype = torch.float32):
         """The C entry for a `dtype` cache, for callers that run a whole step in C (one range of sequences a call)::
@@ -107,19 +126,18 @@ class CpuDecodeKernel:
         fn = self._fns[k_cache.dtype]
         assert block_table.dtype == torch.int32 and seq_lens.dtype == torch.int32 and block_table.stride(1) == 1
         out = torch.empty_like(q)
-        bounds = work_split if work_split is not None else self.split(seq_lens)
-        scratch = torch.empty(len(bounds) - 1, num_heads * (block_size + 2), dtype=torch.float32)
         args = (
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
             seq_lens.data_ptr(), out.data_ptr(),
         )
         tail = (num_heads, num_kv_heads, head_dim, block_size, scale)
-        parts = len(bounds) - 1
-        if self._parts is not None and parts > 1:
-            bounds_c = (ctypes.c_int64 * len(bounds))(*bounds)
-            self._parts(*args, scratch.data_ptr(), scratch.stride(0), *tail, bounds_c, parts,
+        if self._parts is not None:  # every thread, even for one sequence (a long one is split over them)
+            scratch = torch.empty(self.num_threads, self.scratch_floats(num_heads, block_size), dtype=torch.float32)
+            self._parts(*args, scratch.data_ptr(), scratch.stride(0), *tail, num_seqs, self.num_threads,
                         int(k_cache.dtype == torch.bfloat16))
             return out.to(dtype)
+        bounds = work_split if work_split is not None else self.split(seq_lens)
+        scratch = torch.empty(len(bounds) - 1, self.scratch_floats(num_heads, block_size), dtype=torch.float32)
         calls = [
             (*args, scratch[i].data_ptr(), *tail, bounds[i], bounds[i + 1])
             for i in range(len(bounds) - 1)

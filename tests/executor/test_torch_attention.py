@@ -93,7 +93,9 @@ def backend(decode_kernel: bool) -> TorchBackend:
 
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "kernel"])
 @pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 16), (8, 1, 128), (4, 1, 256)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 16), (8, 1, 128), (4, 1, 256)]
+)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_matches_reference(case, num_heads, num_kv_heads, head_dim, block_size, decode_kernel):
     context_lens, query_lens = CASES[case]
@@ -326,13 +328,38 @@ def test_decode_kernel_thread_split(num_threads):
     bounds = kernel.split(meta.seq_lens)
     assert bounds[0] == 0 and bounds[-1] == 11 and len(bounds) == min(num_threads, 11) + 1
     out = kernel(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125)
-    one = kernel(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125, work_split=[0, 11])
-    torch.testing.assert_close(out, one, atol=0, rtol=0)
+    one = CpuDecodeKernel(kernel._library, 1, openmp=False)  # every sequence on the calling thread, in turn
+    torch.testing.assert_close(out, one(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125), atol=0, rtol=0)
     # the ranges on torch's OpenMP team (where the library shares its runtime) or on a pool of ours: the same bits
     assert (kernel._parts is not None) == (num_threads > 1 and openmp_is_torchs())
     pool = CpuDecodeKernel(kernel._library, num_threads, openmp=False)
     torch.testing.assert_close(pool(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125), out, atol=0, rtol=0)
     torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, meta, 0.125), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("seq_lens", [[1000], [130], [127], [64, 1500, 3]], ids=str)
+def test_one_long_sequence_is_split_over_the_threads_with_the_bits_of_one_thread(seq_lens, block_size):
+    """A sequence of 128+ keys is attended in parts (split-K) that threads share, merged in order:
+    the same bits on 1, 2 or 3 threads, as a one-thread call (parts or not), and the reference."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler for the CPU decode kernel")
+    from executor_svc.attention.cpu_decode import CpuDecodeKernel
+
+    n = len(seq_lens)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
+    meta = make_step([s - 1 for s in seq_lens], [1] * n, block_size=block_size, num_blocks=num_blocks, seed=5)
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(num_blocks, block_size, 2, 128, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, 2, 128, generator=g)
+    q = 3 * torch.randn(n, 8, 128, generator=g)  # peaked scores: the parts' maxima differ
+    one = CpuDecodeKernel(CpuDecodeKernel.load(1)._library, 1, openmp=False)
+    want = one(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.09)
+    for threads in (2, 3):
+        kernel = CpuDecodeKernel.load(threads)
+        got = kernel(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.09)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(want, reference_attention(q, k_cache, v_cache, meta, 0.09), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "kernel"])

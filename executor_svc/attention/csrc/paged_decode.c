@@ -185,7 +185,8 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     const float *restrict qs, const void *restrict k_cache, const void *restrict v_cache,
     const int32_t *restrict blocks, const int64_t len, float *restrict os, float *restrict scratch,
     const int64_t num_heads, const int64_t group, const int64_t num_kv_heads, const int NV, const int64_t block_size,
-    const int64_t row_stride, const float scale, const int kv_bf16) {
+    const int64_t row_stride, const float scale, const int kv_bf16, const int64_t key_begin, const int64_t key_end,
+    float *restrict ml_out) {
     const int64_t head_dim = 16 * NV;
     const int64_t block_floats = block_size * row_stride;
     const int64_t block_bytes = block_floats * (kv_bf16 ? 2 : 4);
@@ -197,14 +198,15 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         l[h] = 0.f;
         for (int64_t d = 0; d < head_dim; ++d) os[h * head_dim + d] = 0.f;
     }
-    for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+    const int64_t end = key_end < len ? key_end : len;
+    for (int64_t j0 = key_begin; j0 < end; j0 += block_size) {
         const int64_t b = j0 / block_size;
         const char *kb = KV_PTR(k_cache, (int64_t)blocks[b] * block_floats);
         const char *vb = KV_PTR(v_cache, (int64_t)blocks[b] * block_floats);
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        const int64_t n = end - j0 < block_size ? end - j0 : block_size;
         /* the next block's K and V are requested a slice at a time, one slice per row read here,
          * so the loads of this block's rows and the requests for the next overlap */
-        const int has_next = j0 + block_size < len;
+        const int has_next = j0 + block_size < end;
         const char *next_k = has_next ? KV_PTR(k_cache, (int64_t)blocks[b + 1] * block_floats) : kb;
         const char *next_v = has_next ? KV_PTR(v_cache, (int64_t)blocks[b + 1] * block_floats) : vb;
         const int64_t slice = block_bytes / (num_kv_heads * block_size); /* bytes requested per row read */
@@ -251,8 +253,8 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
                 vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, ph + t0));
             }
             const float block_max = _mm512_reduce_max_ps(vmax);
-            const float new_max = (j0 == 0 || block_max > m[h]) ? block_max : m[h];
-            correction[h] = j0 == 0 ? 1.f : expf(m[h] - new_max);
+            const float new_max = (j0 == key_begin || block_max > m[h]) ? block_max : m[h];
+            correction[h] = j0 == key_begin ? 1.f : expf(m[h] - new_max);
             __m512 vsum = _mm512_setzero_ps();
             for (int64_t t0 = 0; t0 < n; t0 += 16) {
                 const __mmask16 mask = n - t0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
@@ -286,10 +288,96 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
                 for (int i = 0; i < NV; ++i) _mm512_storeu_ps(os + (g * group + hh) * head_dim + 16 * i, o[hh][i]);
         }
     }
+    if (ml_out) { /* one part of a split sequence: o unnormalised, each head's max and sum beside it */
+        for (int64_t h = 0; h < num_heads; ++h) {
+            ml_out[2 * h] = m[h];
+            ml_out[2 * h + 1] = l[h];
+        }
+        return;
+    }
     for (int64_t h = 0; h < num_heads; ++h) {
         const __m512 c = _mm512_set1_ps(1.f / l[h]);
         for (int i = 0; i < NV; ++i)
             _mm512_storeu_ps(os + h * head_dim + 16 * i, _mm512_mul_ps(c, _mm512_loadu_ps(os + h * head_dim + 16 * i)));
+    }
+}
+#endif
+
+#if defined(__AVX512F__)
+/* Split-K (flash-decoding): a sequence of the AVX-512 loop with at least 2 * PART_MIN_KEYS keys
+ * is attended in parts of whole blocks, at most MAX_PARTS, each with its own running max and
+ * sum, then merged in part order. The parts depend on the sequence's length and the block size
+ * alone, not on the threads, so a one-thread call and paged_decode_attention_parts (which runs
+ * the parts of one sequence on several threads: one long stream's decode is no longer one
+ * core's) give the same bits. A shorter sequence is one part: the whole-sequence loop. */
+#define MAX_PARTS 8
+#define PART_MIN_KEYS 64
+
+static inline int avx512_ok(const int64_t group, const int64_t head_dim) {
+    return group <= MAX_GROUP && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
+static inline int64_t num_parts(const int64_t len, const int64_t block_size) {
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    const int64_t parts = blocks / ((PART_MIN_KEYS + block_size - 1) / block_size);
+    return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
+}
+
+/* Keys [begin, end) of part p of `parts` (whole blocks, as even as the blocks allow). */
+static inline void part_keys(const int64_t len, const int64_t block_size, const int64_t parts, const int64_t p,
+                             int64_t *begin, int64_t *end) {
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    const int64_t e = (blocks * (p + 1) / parts) * block_size;
+    *begin = (blocks * p / parts) * block_size;
+    *end = e < len ? e : len;
+}
+
+/* Floats of one part's result: o [num_heads][head_dim], then (max, sum) per head. */
+static inline int64_t part_floats(const int64_t num_heads, const int64_t head_dim) {
+    return num_heads * (head_dim + 2);
+}
+
+static inline __attribute__((always_inline)) void attend_part(
+    const float *restrict qs, const void *restrict k_cache, const void *restrict v_cache,
+    const int32_t *restrict blocks, const int64_t len, float *restrict os, float *restrict scratch,
+    const int64_t num_heads, const int64_t group, const int64_t num_kv_heads, const int64_t head_dim,
+    const int64_t block_size, const int64_t row_stride, const float scale, const int kv_bf16, const int64_t key_begin,
+    const int64_t key_end, float *restrict ml_out) {
+    if (head_dim == 64)
+        attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 4,
+                          block_size, row_stride, scale, kv_bf16, key_begin, key_end, ml_out);
+    else if (head_dim == 128)
+        attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 8,
+                          block_size, row_stride, scale, kv_bf16, key_begin, key_end, ml_out);
+    else
+        attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 16,
+                          block_size, row_stride, scale, kv_bf16, key_begin, key_end, ml_out);
+}
+
+/* os = the parts' outputs merged: each rescaled to the largest max, summed in part order, over
+ * the rescaled sums. */
+static inline void merge_parts(const float *restrict partial, const int64_t parts, float *restrict os,
+                               const int64_t num_heads, const int64_t head_dim) {
+    const int64_t stride = part_floats(num_heads, head_dim), ml = num_heads * head_dim;
+    for (int64_t h = 0; h < num_heads; ++h) {
+        float mx = partial[ml + 2 * h];
+        for (int64_t p = 1; p < parts; ++p) {
+            const float mp = partial[p * stride + ml + 2 * h];
+            mx = mp > mx ? mp : mx;
+        }
+        float w[MAX_PARTS], total = 0.f;
+        for (int64_t p = 0; p < parts; ++p) {
+            w[p] = expf(partial[p * stride + ml + 2 * h] - mx);
+            total += w[p] * partial[p * stride + ml + 2 * h + 1];
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / total);
+        for (int64_t d = 0; d < head_dim; d += 16) {
+            __m512 acc = _mm512_mul_ps(_mm512_set1_ps(w[0]), _mm512_loadu_ps(partial + h * head_dim + d));
+            for (int64_t p = 1; p < parts; ++p)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(w[p]), _mm512_loadu_ps(partial + p * stride + h * head_dim + d),
+                                      acc);
+            _mm512_storeu_ps(os + h * head_dim + d, _mm512_mul_ps(acc, inv));
+        }
     }
 }
 #endif
@@ -308,16 +396,22 @@ static inline __attribute__((always_inline)) void attend_range(
         float *os = out + seq * num_heads * head_dim;
         const int64_t len = seq_lens[seq];
 #if defined(__AVX512F__)
-        if (group <= MAX_GROUP && (head_dim == 64 || head_dim == 128 || head_dim == 256)) {
-            if (head_dim == 64)
-                attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 4,
-                                  block_size, row_stride, scale, kv_bf16);
-            else if (head_dim == 128)
-                attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 8,
-                                  block_size, row_stride, scale, kv_bf16);
-            else
-                attend_seq_avx512(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, 16,
-                                  block_size, row_stride, scale, kv_bf16);
+        if (avx512_ok(group, head_dim)) {
+            const int64_t parts = num_parts(len, block_size);
+            if (parts == 1) {
+                attend_part(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, head_dim,
+                            block_size, row_stride, scale, kv_bf16, 0, len, NULL);
+                continue;
+            }
+            float partial[MAX_PARTS * part_floats(num_heads, head_dim)];
+            for (int64_t p = 0; p < parts; ++p) {
+                int64_t begin, end;
+                part_keys(len, block_size, parts, p, &begin, &end);
+                float *po = partial + p * part_floats(num_heads, head_dim);
+                attend_part(qs, k_cache, v_cache, blocks, len, po, scratch, num_heads, group, num_kv_heads, head_dim,
+                            block_size, row_stride, scale, kv_bf16, begin, end, po + num_heads * head_dim);
+            }
+            merge_parts(partial, parts, os, num_heads, head_dim);
             continue;
         }
 #endif
@@ -358,23 +452,88 @@ void paged_decode_attention_bf16(const float *restrict q, const uint16_t *restri
 }
 
 #ifdef _OPENMP
-/* The ranges [bounds[i], bounds[i + 1]) for i < parts, one per thread of an OpenMP team of
- * `parts` threads: in a process whose one OpenMP runtime is torch's, the same threads its GEMMs
- * use (still spinning after the last one), where a pool of our own would compete with them for
- * the cores. Range i uses scratch + i * scratch_stride. */
+#include <omp.h>
+#include <stdlib.h>
+
+/* One unit of paged_decode_attention_parts: a whole sequence (normalised into out), or part p of
+ * one (into its place in `partial`). */
+static inline __attribute__((always_inline)) void attend_unit(
+    const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
+    const int32_t *restrict table, int64_t table_stride, const int32_t *restrict seq_lens, float *restrict out,
+    float *restrict scratch, float *restrict partial, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, int64_t seq, int64_t p, int64_t parts, const int kv_bf16) {
+    if (parts == 1) {
+        attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch, num_heads, num_kv_heads,
+                     head_dim, block_size, scale, seq, seq + 1, kv_bf16);
+        return;
+    }
+#if defined(__AVX512F__)
+    int64_t begin, end;
+    part_keys(seq_lens[seq], block_size, parts, p, &begin, &end);
+    attend_part(q + seq * num_heads * head_dim, k_cache, v_cache, table + seq * table_stride, seq_lens[seq], partial,
+                scratch, num_heads, num_heads / num_kv_heads, num_kv_heads, head_dim, block_size,
+                num_kv_heads * head_dim, scale, kv_bf16, begin, end, partial + num_heads * head_dim);
+#endif
+}
+
+/* Sequences [0, num_seqs) on an OpenMP team of `threads` threads: in a process whose one OpenMP
+ * runtime is torch's, the same threads its GEMMs use (still spinning after the last one), where a
+ * pool of our own would compete with them for the cores. The work goes out as units claimed in
+ * turn: a whole sequence, or one part of a split one (num_parts), so one long sequence is
+ * attended on every thread; the split sequences' parts are merged after. The same bits as one
+ * thread. Thread i uses scratch + i * scratch_stride. */
 void paged_decode_attention_parts(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
                                   const int32_t *restrict table, int64_t table_stride, const int32_t *restrict seq_lens,
                                   float *restrict out, float *restrict scratch, int64_t scratch_stride,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                  float scale, const int64_t *restrict bounds, int64_t parts, int64_t kv_bf16) {
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-    for (int64_t i = 0; i < parts; ++i) {
-        if (kv_bf16)
-            attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch + i * scratch_stride,
-                         num_heads, num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1], 1);
-        else
-            attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch + i * scratch_stride,
-                         num_heads, num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1], 0);
+                                  float scale, int64_t num_seqs, int64_t threads, int64_t kv_bf16) {
+    int64_t first_stack[65], *first = num_seqs < 65 ? first_stack : malloc((num_seqs + 1) * sizeof(int64_t));
+    first[0] = 0;
+    int split = 0;
+#if defined(__AVX512F__)
+    split = avx512_ok(num_heads / num_kv_heads, head_dim);
+#endif
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        int64_t parts = 1;
+#if defined(__AVX512F__)
+        if (split) parts = num_parts(seq_lens[i], block_size);
+#endif
+        first[i + 1] = first[i] + parts;
     }
+    const int64_t units = first[num_seqs];
+    const int64_t pf = num_heads * (head_dim + 2); /* floats of one part's result */
+    float *partial = units > num_seqs ? malloc(units * pf * sizeof(float)) : NULL;
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = scratch + omp_get_thread_num() * scratch_stride;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; ++u) {
+            int64_t lo = 0, hi = num_seqs; /* the sequence whose units hold u: first[lo] <= u < first[lo + 1] */
+            while (hi - lo > 1) {
+                const int64_t mid = (lo + hi) / 2;
+                if (first[mid] <= u) lo = mid;
+                else hi = mid;
+            }
+            const int64_t parts = first[lo + 1] - first[lo];
+            float *part = partial ? partial + u * pf : NULL;
+            if (kv_bf16)
+                attend_unit(q, k_cache, v_cache, table, table_stride, seq_lens, out, mine, part, num_heads,
+                            num_kv_heads, head_dim, block_size, scale, lo, u - first[lo], parts, 1);
+            else
+                attend_unit(q, k_cache, v_cache, table, table_stride, seq_lens, out, mine, part, num_heads,
+                            num_kv_heads, head_dim, block_size, scale, lo, u - first[lo], parts, 0);
+        }
+#if defined(__AVX512F__)
+        if (partial) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < num_seqs; ++i)
+                if (first[i + 1] - first[i] > 1)
+                    merge_parts(partial + first[i] * pf, first[i + 1] - first[i], out + i * num_heads * head_dim,
+                                num_heads, head_dim);
+        }
+#endif
+    }
+    free(partial);
+    if (first != first_stack) free(first);
 }
 #endif
