@@ -8,8 +8,10 @@
  *   seq_lens[num_seqs]                                            int32, >= 1
  *   out     [num_seqs, num_heads, head_dim]                       float32
  *
- * The caller splits the sequences into one contiguous range per thread (each call runs on
- * one thread; Python releases the GIL around it). For a sequence every head is scored
+ * paged_decode_attention(_bf16) runs a range of sequences on the calling thread (a caller
+ * without OpenMP splits the sequences into one range per thread; Python releases the GIL around
+ * each call); paged_decode_attention_parts runs them all on the OpenMP team, a long sequence
+ * split into parts (split-K, see num_parts) with the same bits. For a sequence every head is scored
  * against every key, reading each K row (all kv heads: contiguous) once; the scores are
  * softmaxed in float32 and each V row is read once to accumulate the outputs. A query
  * head h reads kv head h / (num_heads / num_kv_heads) (grouped-query attention).
