@@ -232,7 +232,8 @@ def _build_layout(meta: AttentionMetadata, block_size: int, kernel=None) -> _Ste
         lens = meta.seq_lens[decode_ids].to(torch.int32)
         table = _table(meta.block_table, decode_ids, int(lens.max()), block_size).to(torch.int32)
         rows = slice(None) if whole else starts[decode_ids]
-        groups.append(_Group(rows, table, None, 1, None, None, kernel_lens=lens, kernel_split=kernel.split(lens)))
+        split = _work_split(kernel, lens)
+        groups.append(_Group(rows, table, None, 1, None, None, kernel_lens=lens, kernel_split=split))
     elif decode_ids.numel():
         lens = seq_lens[decode_ids]
         if decode_ids.numel() == num_seqs and int(lens.min()) == int(lens.max()):  # one bucket, in order
@@ -250,6 +251,11 @@ def _build_layout(meta: AttentionMetadata, block_size: int, kernel=None) -> _Ste
     return _StepLayout(write_rows=write_rows, write_slots=write_slots, groups=groups)
 
 
+def _work_split(kernel, lens: torch.Tensor) -> list[int] | None:
+    """The sequences' split over threads for a kernel that takes one (None: its OpenMP entry splits the work itself)."""
+    return None if kernel.parts_function is not None else kernel.split(lens)
+
+
 def _decode_only_layout(meta: AttentionMetadata, block_size: int, kernel) -> _StepLayout:
     """A step of decodes only (one token per sequence, in order): _build_layout's kernel group with
     a few tensor ops instead of its twenty (about 50 us a step and KV cache group on this CPU; six
@@ -262,7 +268,7 @@ def _decode_only_layout(meta: AttentionMetadata, block_size: int, kernel) -> _St
         write_slots = slot_mapping[write_rows]
     lens = meta.seq_lens.to(torch.int32)
     table = meta.block_table[:, : -(-meta.max_seq_len // block_size)].to(torch.int32)
-    group = _Group(slice(None), table, None, 1, None, None, kernel_lens=lens, kernel_split=kernel.split(lens))
+    group = _Group(slice(None), table, None, 1, None, None, kernel_lens=lens, kernel_split=_work_split(kernel, lens))
     return _StepLayout(write_rows=write_rows, write_slots=write_slots, groups=[group])
 
 

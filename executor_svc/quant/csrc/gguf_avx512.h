@@ -50,25 +50,6 @@ INLINE void k_pair_512(const int type, const uint8_t *restrict blk, const int p,
     }
 }
 
-/* Q5_0 / Q5_1: one block's 32 weights as floats, q[0] weights 0-15, q[1] 16-31 (Q5_0: q - 16). */
-INLINE void q5_block_512(const int type, const uint8_t *restrict blk, __m512 q[2]) {
-    const int has_m = type == GGML_Q5_1;
-    uint32_t qh;
-    memcpy(&qh, blk + 2 + 2 * has_m, 4);
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 6 + 2 * has_m)));
-    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(v, 4);
-    const __mmask16 klo = (__mmask16)qh, khi = (__mmask16)(qh >> 16);
-    if (has_m) { /* q = nibble | 16 where the bit is set */
-        lo = _mm512_mask_or_epi32(lo, klo, lo, _mm512_set1_epi32(0x10));
-        hi = _mm512_mask_or_epi32(hi, khi, hi, _mm512_set1_epi32(0x10));
-    } else { /* q - 16 = nibble - 16 = nibble | ~15 where the bit is clear (two's complement) */
-        lo = _mm512_mask_or_epi32(lo, (__mmask16)~klo, lo, _mm512_set1_epi32(-16));
-        hi = _mm512_mask_or_epi32(hi, (__mmask16)~khi, hi, _mm512_set1_epi32(-16));
-    }
-    q[0] = lanes_to_ps(lo);
-    q[1] = lanes_to_ps(hi);
-}
-
 /* One sub-block of 32 weights (q[0..1], floats) against mt rows of x at xg (rows K apart):
  * the t form when t_form (scale s32 = scale[0]), else the w form (sub-blocks of 32 or 16). */
 INLINE void step_512(const int type, const int t_form, const __m512 q[2], const float *restrict xg, const int64_t K,
@@ -95,10 +76,10 @@ INLINE void step_512(const int type, const int t_form, const __m512 q[2], const 
     }
 }
 
-/* Q5_0 / Q5_1: one block's 32 weights as floats as q5_block_512 makes them, its 5th bits tested
- * in vector registers (qh broadcast, one lane bit each) rather than moved to mask registers from a
- * general register, which here cost more than the rest of the block. */
-INLINE void q5_block_512_v(const int has_m, const uint8_t *restrict blk, __m512 q[2]) {
+/* Q5_0 / Q5_1: one block's 32 weights as floats, q[0] weights 0-15, q[1] 16-31 (Q5_0: q - 16); the
+ * 5th bits tested in vector registers (qh broadcast, one lane bit each) rather than moved to mask
+ * registers from a general register, which at one row of x cost more than the rest of the block. */
+INLINE void q5_block_512(const int has_m, const uint8_t *restrict blk, __m512 q[2]) {
     uint32_t qh;
     memcpy(&qh, blk + 2 + 2 * has_m, 4);
     const __m512i bits = _mm512_set1_epi32((int)qh);
@@ -148,7 +129,7 @@ INLINE void tile_512_1(const int type, const uint8_t *restrict w, const int64_t 
             const uint8_t *blk = w + (n + r) * row_bytes + b * bsize;
             const float d = fp16(blk);
             __m512 q[2];
-            q5_block_512_v(has_m, blk, q);
+            q5_block_512(has_m, blk, q);
             const __m512 t = _mm512_fmadd_ps(q[1], x1, _mm512_mul_ps(q[0], x0));
             acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(d), acc[r]);
             if (has_m) mins[r] += fp16(blk + 2) * xs[b];
@@ -204,7 +185,7 @@ INLINE void group_rows_512(const int type, const uint8_t *restrict w, const int6
                 const int64_t bsize = block_bytes(type);
                 for (int s = 0; s < nw / 32; ++s) {
                     __m512 q[2];
-                    q5_block_512(type, row + (g * 8 + s) * bsize, q);
+                    q5_block_512(type == GGML_Q5_1, row + (g * 8 + s) * bsize, q);
                     step_512(type, t_form, q, xg + 32 * s, K, mt, G->scale + s, G->min + s, acc);
                 }
             } else { /* sub-blocks of 16, decoded: scales 2 s32 and 2 s32 + 1 */
