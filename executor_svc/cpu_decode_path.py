@@ -69,7 +69,7 @@ class _Layer:
     qk_norms: tuple[int, int] | None  # q_norm, k_norm over head_dim (Qwen3, Gemma 3)
     gelu: bool  # GeGLU (tanh approximation), else SwiGLU
     local_rope: bool  # Gemma 3's sliding layers: their own rotary tables
-    window: int | None  # a sliding layer: the step is declined once a sequence is longer than it
+    window: int  # a sliding layer's window (the attention reads its keys only), 0 for a global layer
     scale: float
 
 
@@ -96,7 +96,6 @@ class CpuDecodePath:
             torch.bfloat16: (library.pagoda_write_kv_bf16, self._kernel.c_function(torch.bfloat16)),
         }
         c = model.config
-        self._windows = {layer.window for layer in layers} - {None}
         self._embed_scale = getattr(c, "embed_scale", None)
         self._dtype = model.dtype
         # the GGUF kernel's scratch (x's block sums): one call at a time
@@ -111,8 +110,8 @@ class CpuDecodePath:
         the C ops cover: Qwen3 (q/k norms), Phi-3 (merged projections as stored), Gemma 3 (Gemma's
         1 + w norms as float32 weights, sandwich norms, GeGLU, the embedding scale, its sliding
         layers' own rotary tables). Declined at build: mixture-of-experts layers, attention soft
-        caps (Gemma 2), partial rotary, biases; declined per step: a sequence longer than a
-        sliding layer's window (those steps go through the modules, which read the window).
+        caps (Gemma 2), partial rotary, biases. A sliding layer's attention reads its window's keys
+        only (the decode kernel's `window`), as the modules' do.
 
         A bfloat16 model (`--dtype bfloat16`) takes it too, computing in float32 as a float32 model
         does (its GGUF linears run the same float32 kernel at these row counts; the norm weights are
@@ -125,8 +124,6 @@ class CpuDecodePath:
         c = model.config
         family = type(model) is FamilyDecoder
         if type(model) is not DecoderModel and not family:
-            return None
-        if type(model) is DecoderModel and any(w is not None for w in c.layer_windows):
             return None
         if (
             library is None or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16)
@@ -170,7 +167,7 @@ class CpuDecodePath:
             qk = (norm_ptr(attn.q_norm), norm_ptr(attn.k_norm)) if family and c.qk_norm else None
             layers.append(_Layer(
                 *linears, norms=norms, qk_norms=qk, gelu=family and c.hidden_act != "silu",
-                local_rope=family and layer.local_rope, window=layer.sliding_window if family else None,
+                local_rope=family and layer.local_rope, window=layer.sliding_window or 0,
                 scale=attn.scale,
             ))
         log.info("CPU decode path: %d layers as C calls (%s, %s)", len(layers), type(model).__name__, model.dtype)
@@ -217,8 +214,6 @@ class CpuDecodePath:
         first = metas[0]
         if first.max_query_len != 1:
             return None
-        if any(first.max_seq_len > w for w in self._windows):
-            return None  # a window moved: the modules read it (windowed.attend)
         k_cache0 = kv_caches[0][0]
         block_size = k_cache0.shape[1]
         calls = self._cache_calls.get(k_cache0.dtype)
@@ -293,15 +288,16 @@ class CpuDecodePath:
             if self._parts is not None:
                 self._parts(Q, KC, VC, table.data_ptr(), table.stride(0), lens.data_ptr(), A, SCRATCH,
                             scratch.stride(0), heads, kv_heads, head_dim, block_size, layer.scale, num_seqs,
-                            kernel_threads, kv_bf16)
+                            kernel_threads, kv_bf16, layer.window)
                 out = attn
             elif m.max_seq_len * num_seqs <= ONE_THREAD_KEYS:
                 attend(Q, KC, VC, table.data_ptr(), table.stride(0), lens.data_ptr(), A, SCRATCH, heads, kv_heads,
-                       head_dim, block_size, layer.scale, 0, num_seqs)
+                       head_dim, block_size, layer.scale, 0, num_seqs, layer.window)
                 out = attn
             else:
                 # (split_out stays alive until o_proj has read it)
-                split_out = kernel(q_heads, k_cache, v_cache, table, lens, layer.scale, group.kernel_split)
+                split_out = kernel(q_heads, k_cache, v_cache, table, lens, layer.scale, group.kernel_split,
+                                   window=layer.window or None)
                 out = split_out.view(rows, q_size)
             matmul(layer.o, out, rows, hidden)
             if sandwich:  # x = x + post_attention_norm(h); the MLP reads pre_feedforward_norm(x)

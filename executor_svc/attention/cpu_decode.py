@@ -50,7 +50,7 @@ class CpuDecodeKernel:
     DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, library: ctypes.CDLL, num_threads: int, openmp: bool = False) -> None:
-        argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, *[_c_int64] * 4, _c_float, _c_int64, _c_int64]
+        argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, *[_c_int64] * 4, _c_float, *[_c_int64] * 3]
         fns = {torch.float32: library.paged_decode_attention, torch.bfloat16: library.paged_decode_attention_bf16}
         for fn in fns.values():
             fn.argtypes, fn.restype = argtypes, None
@@ -62,7 +62,7 @@ class CpuDecodeKernel:
         if openmp and self.num_threads > 1:
             self._parts = library.paged_decode_attention_parts
             self._parts.argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, *[_c_int64] * 5, _c_float,
-                                    *[_c_int64] * 3]
+                                    *[_c_int64] * 4]
             self._parts.restype = None
         elif self.num_threads > 1:
             self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="decode-attn")
@@ -90,7 +90,7 @@ class CpuDecodeKernel:
 
             paged_decode_attention_parts(q, k_cache, v_cache, block_table, table_stride, seq_lens, out, scratch,
                                          scratch_stride, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                         num_seqs, threads, kv_bf16)
+                                         num_seqs, threads, kv_bf16, window)
 
         scratch: `threads` rows of `scratch_floats` floats, `scratch_stride` floats apart; `threads` the
         kernel's `num_threads`. The same bits as `c_function` over every sequence.
@@ -101,9 +101,11 @@ class CpuDecodeKernel:
         """The C entry for a `dtype` cache, for callers that run a whole step in C (one range of sequences a call)::
 
             paged_decode_attention(q, k_cache, v_cache, block_table, table_stride, seq_lens, out, scratch,
-                                   num_heads, num_kv_heads, head_dim, block_size, scale, first_seq, end_seq)
+                                   num_heads, num_kv_heads, head_dim, block_size, scale, first_seq, end_seq, window)
 
-        q and out [S, H, D] float32, scratch `num_heads * (block_size + 2)` floats.
+        q and out [S, H, D] float32, scratch `num_heads * (block_size + 2)` floats. `window`: a sliding window
+        (a sequence of length L attends to its last min(L, window) keys; the table's blocks before them are
+        never read) or 0 for every key.
         """
         return self._fns[dtype]
 
@@ -116,7 +118,9 @@ class CpuDecodeKernel:
         seq_lens: torch.Tensor,  # [S] int32
         scale: float,
         work_split: list[int] | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """`window`: a sliding layer's window (each sequence attends to its last `window` keys), None for every key."""
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         dtype = q.dtype  # the cache's, or float32 (a float32 query over a bfloat16 cache: out float32)
@@ -134,12 +138,12 @@ class CpuDecodeKernel:
         if self._parts is not None:  # every thread, even for one sequence (a long one is split over them)
             scratch = torch.empty(self.num_threads, self.scratch_floats(num_heads, block_size), dtype=torch.float32)
             self._parts(*args, scratch.data_ptr(), scratch.stride(0), *tail, num_seqs, self.num_threads,
-                        int(k_cache.dtype == torch.bfloat16))
+                        int(k_cache.dtype == torch.bfloat16), window or 0)
             return out.to(dtype)
         bounds = work_split if work_split is not None else self.split(seq_lens)
         scratch = torch.empty(len(bounds) - 1, self.scratch_floats(num_heads, block_size), dtype=torch.float32)
         calls = [
-            (*args, scratch[i].data_ptr(), *tail, bounds[i], bounds[i + 1])
+            (*args, scratch[i].data_ptr(), *tail, bounds[i], bounds[i + 1], window or 0)
             for i in range(len(bounds) - 1)
             if bounds[i + 1] > bounds[i]
         ]

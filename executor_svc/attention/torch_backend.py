@@ -112,17 +112,23 @@ class TorchBackend:
     ) -> torch.Tensor:
         """`sliding_window` / `logits_soft_cap`: such a layer goes through `windowed.attend`, but a
         window that holds every sequence's whole context (no key falls out of it, so no block
-        has been freed) is full attention, on the fast path."""
+        has been freed) is full attention, on the fast path, and a decode-only step of a sliding
+        layer without a cap goes through the decode kernel, which reads the window's keys only."""
         if sliding_window is not None and meta.max_seq_len <= sliding_window:
             sliding_window = None
-        if sliding_window is not None or logits_soft_cap is not None:
-            self._write_kv(k, v, k_cache, v_cache, _write_only_layout(meta))
-            return windowed.attend(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
         kernel = (
             self._kernel
             if k_cache.dtype == q.dtype and q.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu"
             else None
         )
+        if sliding_window is not None and logits_soft_cap is None and kernel is not None and meta.max_query_len == 1:
+            layout = self._layout_for(meta, k_cache.shape[1], kernel)  # one kernel group: every token a decode
+            self._write_kv(k, v, k_cache, v_cache, layout)
+            (g,) = layout.groups
+            return self._attend(g, q, k, v, k_cache, v_cache, scale, window=sliding_window)
+        if sliding_window is not None or logits_soft_cap is not None:
+            self._write_kv(k, v, k_cache, v_cache, _write_only_layout(meta))
+            return windowed.attend(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
         layout = self._layout_for(meta, k_cache.shape[1], kernel)
         self._write_kv(k, v, k_cache, v_cache, layout)
 
@@ -134,10 +140,12 @@ class TorchBackend:
             out[g.token_rows] = self._attend(g, q, k, v, k_cache, v_cache, scale)
         return out
 
-    def _attend(self, g: _Group, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
-        """The group's output rows, [num_group_tokens, H, D] in `g.token_rows` order."""
+    def _attend(self, g: _Group, q, k, v, k_cache, v_cache, scale: float, window: int | None = None) -> torch.Tensor:
+        """The group's output rows, [num_group_tokens, H, D] in `g.token_rows` order (`window`: a kernel group's)."""
         if g.kernel_lens is not None:
-            return self._kernel(q[g.token_rows], k_cache, v_cache, g.block_table, g.kernel_lens, scale, g.kernel_split)
+            return self._kernel(
+                q[g.token_rows], k_cache, v_cache, g.block_table, g.kernel_lens, scale, g.kernel_split, window=window
+            )
         _, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group_size = num_heads // num_kv_heads

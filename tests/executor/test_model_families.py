@@ -278,17 +278,15 @@ C_DECODE_PATH = {"llama": True, "qwen3": True, "phi3": True, "gemma3": True, "ge
 @pytest.mark.parametrize("kind", list(C_DECODE_PATH))
 def test_family_gguf_decode_steps_through_the_c_path_equal_transformers(kind, tmp_path, default_model_dir, prompts):
     """A GGUF file's decode steps as C calls (q/k norms, Gemma's 1 + w and sandwich norms, GeGLU,
-    the embedding scale, Gemma 3's local rotary tables, merged q/k/v of two block types): the same
-    tokens and log-probabilities as transformers reading the file. Windows of 128 hold every
-    sequence here, so the sliding layers' steps are the path's too (a longer sequence's go
-    through the modules: `test_family_gguf_file_equals_transformers_reading_it`)."""
+    the embedding scale, Gemma 3's local rotary tables, merged q/k/v of two block types, sliding
+    layers read from their window's first key, inside a block of 4): the same tokens and
+    log-probabilities as transformers reading the file, the decodes past a window included."""
     from transformers import AutoModelForCausalLM
 
     if get_kernel() is None:
         pytest.skip("no C compiler: no GGUF kernel, no C decode path")
     hf_dir, gguf_dir = tmp_path / "hf", tmp_path / "gguf"
-    window = {"sliding_window": 128} if kind in SLIDING else {}
-    build_family(kind, hf_dir, default_model_dir, **GGUF_CONFIG.get(kind, {}), **window)
+    build_family(kind, hf_dir, default_model_dir, **GGUF_CONFIG.get(kind, {}))
     path = write_gguf(kind, hf_dir, tmp_path / f"tiny-{kind}.gguf")
     reference = AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
@@ -298,15 +296,20 @@ def test_family_gguf_decode_steps_through_the_c_path_equal_transformers(kind, tm
     assert (step is not None) == C_DECODE_PATH[kind]
     if step is None:
         return
-    taken = 0
+    windows = {g.sliding_window for g in runner.kv_cache_groups} - {None}
+    taken = past_window = 0
     forward = step.forward
 
-    def counting(*args):
-        nonlocal taken
-        out = forward(*args)
+    def counting(input_ids, positions, kv_caches, meta):
+        nonlocal taken, past_window
+        out = forward(input_ids, positions, kv_caches, meta)
         taken += out is not None
+        longest = (meta if not isinstance(meta, tuple) else meta[0]).max_seq_len
+        past_window += out is not None and any(longest > w for w in windows)
         return out
 
     step.forward = counting
     assert_runner_equals_transformers(runner, reference, prompts)
     assert taken >= 2 * MAX_TOKENS - 4, taken  # (the decodes of the three requests, some together)
+    if kind == "gemma3":  # its file keeps the window (16: the long prompt is 4 windows and more)
+        assert windows == {WINDOW} and past_window >= MAX_TOKENS, (windows, past_window)

@@ -362,6 +362,50 @@ def test_one_long_sequence_is_split_over_the_threads_with_the_bits_of_one_thread
     torch.testing.assert_close(want, reference_attention(q, k_cache, v_cache, meta, 0.09), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("window", [1, 7, 16, 100, 512])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 16), (9, 3, 64), (4, 1, 256)])
+def test_decode_kernel_reads_only_a_sliding_window(window, block_size, num_heads, num_kv_heads, head_dim, kv_dtype):
+    """Decodes of a sliding layer through the kernel (the portable loop at head_dim 16, the AVX-512
+    one at 64 and 256, split into parts where the window holds 128+ keys): each sequence attends to
+    its last `window` keys, from inside a block where the window starts there; the blocks wholly
+    before the window hold NaN (freed, reused) and are never read; the same bits on 1, 2 and 3
+    threads; the reference's outputs, and the backend takes this kernel for the step."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler for the CPU decode kernel")
+    from executor_svc.attention.cpu_decode import CpuDecodeKernel
+
+    seq_lens = [1, window, window + 1, window + 3, 2 * window + 7, 1300, 37]
+    n = len(seq_lens)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
+    meta = make_step([s - 1 for s in seq_lens], [1] * n, block_size=block_size, num_blocks=num_blocks, seed=11)
+    g = torch.Generator().manual_seed(window)
+    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(kv_dtype) for _ in range(2))
+    poison = num_blocks
+    k_cache[poison], v_cache[poison] = float("nan"), float("nan")
+    for i, s in enumerate(seq_lens):
+        meta.block_table[i, : max(s - window, 0) // block_size] = poison
+    # peaked scores (the parts' maxima differ), in the cache's dtype as the layer's own query is
+    q = (3 * torch.randn(n, num_heads, head_dim, generator=g)).to(kv_dtype).float()
+    scale = head_dim**-0.5
+    one = CpuDecodeKernel(CpuDecodeKernel.load(1)._library, 1, openmp=False)
+    want = one(q, k_cache, v_cache, meta.block_table, meta.seq_lens, scale, window=window)
+    assert torch.isfinite(want).all()
+    for threads in (2, 3):
+        got = CpuDecodeKernel.load(threads)(q, k_cache, v_cache, meta.block_table, meta.seq_lens, scale, window=window)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    expected = reference_attention(q, k_cache.float(), v_cache.float(), meta, scale, window)
+    torch.testing.assert_close(want, expected, atol=2e-5, rtol=1e-4)
+
+    b = backend(True)  # the layer's own call: this step's K/V written, then this kernel over the window
+    k = k_cache.flatten(0, 1)[meta.slot_mapping].to(kv_dtype)
+    v = v_cache.flatten(0, 1)[meta.slot_mapping].to(kv_dtype)
+    out = b.forward(q.to(kv_dtype), k, v, k_cache, v_cache, meta, scale, sliding_window=window)
+    torch.testing.assert_close(out.float(), want.to(kv_dtype).float(), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "kernel"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 2, 48), (4, 1, 256)])
 @pytest.mark.parametrize("case", [1, 3, 7, 8])

@@ -7,6 +7,9 @@
  *   table   [num_seqs, table_stride]                              int32 block ids
  *   seq_lens[num_seqs]                                            int32, >= 1
  *   out     [num_seqs, num_heads, head_dim]                       float32
+ *   window  a sliding layer's window (0: none): a sequence of length L attends to keys
+ *           max(0, L - window) .. L - 1, read from inside the first one's block; the blocks
+ *           before it are never read (the KV manager may have freed them)
  *
  * paged_decode_attention(_bf16) runs a range of sequences on the calling thread (a caller
  * without OpenMP splits the sequences into one range per thread; Python releases the GIL around
@@ -59,7 +62,7 @@ static inline __attribute__((always_inline)) void attend_seq(
     const float *restrict qs, const void *restrict k_cache, const void *restrict v_cache,
     const int32_t *restrict blocks, const int64_t len, float *restrict os, float *restrict scratch,
     const int64_t num_heads, const int64_t group, const int64_t head_dim, const int64_t block_size,
-    const int64_t row_stride, const float scale, const int kv_bf16) {
+    const int64_t row_stride, const float scale, const int kv_bf16, const int64_t key_begin) {
     const int64_t block_floats = block_size * row_stride; /* values of a block (all kv heads) */
     const int64_t block_bytes = block_floats * (kv_bf16 ? 2 : 4);
     float *restrict p = scratch;                                   /* [num_heads][block_size] */
@@ -72,12 +75,12 @@ static inline __attribute__((always_inline)) void attend_seq(
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.f;
     }
-    for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const int64_t b = j0 / block_size;
-        const char *kb = KV_PTR(k_cache, (int64_t)blocks[b] * block_floats);
-        const char *vb = KV_PTR(v_cache, (int64_t)blocks[b] * block_floats);
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        if (j0 + block_size < len) {
+    for (int64_t j0 = key_begin, n; j0 < len; j0 += n) { /* a window's first block is read from its first key */
+        const int64_t b = j0 / block_size, off = j0 - b * block_size;
+        const char *kb = KV_PTR(k_cache, (int64_t)blocks[b] * block_floats + off * row_stride);
+        const char *vb = KV_PTR(v_cache, (int64_t)blocks[b] * block_floats + off * row_stride);
+        n = len - j0 < block_size - off ? len - j0 : block_size - off;
+        if ((b + 1) * block_size < len) {
             prefetch_block(KV_PTR(k_cache, (int64_t)blocks[b + 1] * block_floats), block_bytes);
             prefetch_block(KV_PTR(v_cache, (int64_t)blocks[b + 1] * block_floats), block_bytes);
         }
@@ -96,8 +99,8 @@ static inline __attribute__((always_inline)) void attend_seq(
             float *ph = p + h * block_size;
             float block_max = ph[0];
             for (int64_t t = 1; t < n; ++t) block_max = ph[t] > block_max ? ph[t] : block_max;
-            const float new_max = (j0 == 0 || block_max > m[h]) ? block_max : m[h];
-            const float correction = j0 == 0 ? 1.f : expf(m[h] - new_max); /* o and l are 0 before the first */
+            const float new_max = (j0 == key_begin || block_max > m[h]) ? block_max : m[h];
+            const float correction = j0 == key_begin ? 1.f : expf(m[h] - new_max); /* o, l are 0 before the first */
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t t = 0; t < n; ++t) {
@@ -201,17 +204,23 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         for (int64_t d = 0; d < head_dim; ++d) os[h * head_dim + d] = 0.f;
     }
     const int64_t end = key_end < len ? key_end : len;
-    for (int64_t j0 = key_begin; j0 < end; j0 += block_size) {
-        const int64_t b = j0 / block_size;
-        const char *kb = KV_PTR(k_cache, (int64_t)blocks[b] * block_floats);
-        const char *vb = KV_PTR(v_cache, (int64_t)blocks[b] * block_floats);
-        const int64_t n = end - j0 < block_size ? end - j0 : block_size;
+    for (int64_t j0 = key_begin, n; j0 < end; j0 += n) {
+        /* keys j0 .. j0 + n - 1, in one block: a window's first key may sit inside its block */
+        const int64_t b = j0 / block_size, off = j0 - b * block_size;
+        const char *kb = KV_PTR(k_cache, (int64_t)blocks[b] * block_floats + off * row_stride);
+        const char *vb = KV_PTR(v_cache, (int64_t)blocks[b] * block_floats + off * row_stride);
+        n = end - j0 < block_size - off ? end - j0 : block_size - off;
         /* the next block's K and V are requested a slice at a time, one slice per row read here,
-         * so the loads of this block's rows and the requests for the next overlap */
-        const int has_next = j0 + block_size < end;
+         * so the loads of this block's rows and the requests for the next overlap (all at once
+         * after a partial first block, whose fewer rows would request only part of it) */
+        const int has_next = (b + 1) * block_size < end;
         const char *next_k = has_next ? KV_PTR(k_cache, (int64_t)blocks[b + 1] * block_floats) : kb;
         const char *next_v = has_next ? KV_PTR(v_cache, (int64_t)blocks[b + 1] * block_floats) : vb;
         const int64_t slice = block_bytes / (num_kv_heads * block_size); /* bytes requested per row read */
+        if (has_next && off) {
+            prefetch_block(next_k, block_bytes);
+            prefetch_block(next_v, block_bytes);
+        }
         /* scores: p[h][t] = scale * q_h . k_t */
         for (int64_t g = 0; g < num_kv_heads; ++g) {
             __m512 q[MAX_GROUP][MAX_NV];
@@ -319,20 +328,31 @@ static inline int avx512_ok(const int64_t group, const int64_t head_dim) {
     return group <= MAX_GROUP && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
-static inline int64_t num_parts(const int64_t len, const int64_t block_size) {
-    const int64_t blocks = (len + block_size - 1) / block_size;
+/* The parts of keys [first, len) (first > 0 under a sliding window): by the blocks they touch. */
+static inline int64_t num_parts(const int64_t first, const int64_t len, const int64_t block_size) {
+    const int64_t blocks = (len - 1) / block_size - first / block_size + 1;
     const int64_t parts = blocks / ((PART_MIN_KEYS + block_size - 1) / block_size);
     return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
 }
 
-/* Keys [begin, end) of part p of `parts` (whole blocks, as even as the blocks allow). */
-static inline void part_keys(const int64_t len, const int64_t block_size, const int64_t parts, const int64_t p,
-                             int64_t *begin, int64_t *end) {
-    const int64_t blocks = (len + block_size - 1) / block_size;
-    const int64_t e = (blocks * (p + 1) / parts) * block_size;
-    *begin = (blocks * p / parts) * block_size;
+/* Keys [begin, end) of part p of `parts` of keys [first, len) (whole blocks, as even as the blocks
+ * allow; the first part starts at `first`, possibly inside its block). */
+static inline void part_keys(const int64_t first, const int64_t len, const int64_t block_size, const int64_t parts,
+                             const int64_t p, int64_t *begin, int64_t *end) {
+    const int64_t b0 = first / block_size, blocks = (len - 1) / block_size - b0 + 1;
+    const int64_t b = (b0 + blocks * p / parts) * block_size, e = (b0 + blocks * (p + 1) / parts) * block_size;
+    *begin = b > first ? b : first;
     *end = e < len ? e : len;
 }
+#endif
+
+/* The first key a decode at position len - 1 sees: a sliding window of `window` keys (0: none)
+ * ends at the query (transformers' mask: key j visible when j > len - 1 - window). */
+static inline int64_t first_key(const int64_t len, const int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
+#if defined(__AVX512F__)
 
 /* Floats of one part's result: o [num_heads][head_dim], then (max, sum) per head. */
 static inline int64_t part_floats(const int64_t num_heads, const int64_t head_dim) {
@@ -389,26 +409,26 @@ static inline __attribute__((always_inline)) void attend_range(
     const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
     const int32_t *restrict table, int64_t table_stride, const int32_t *restrict seq_lens, float *restrict out,
     float *restrict scratch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, int64_t seq_begin, int64_t seq_end, const int kv_bf16) {
+    float scale, int64_t seq_begin, int64_t seq_end, const int kv_bf16, const int64_t window) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row_stride = num_kv_heads * head_dim; /* values between consecutive tokens of a block */
     for (int64_t seq = seq_begin; seq < seq_end; ++seq) {
         const int32_t *blocks = table + seq * table_stride;
         const float *qs = q + seq * num_heads * head_dim;
         float *os = out + seq * num_heads * head_dim;
-        const int64_t len = seq_lens[seq];
+        const int64_t len = seq_lens[seq], first = first_key(len, window);
 #if defined(__AVX512F__)
         if (avx512_ok(group, head_dim)) {
-            const int64_t parts = num_parts(len, block_size);
+            const int64_t parts = num_parts(first, len, block_size);
             if (parts == 1) {
                 attend_part(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, num_kv_heads, head_dim,
-                            block_size, row_stride, scale, kv_bf16, 0, len, NULL);
+                            block_size, row_stride, scale, kv_bf16, first, len, NULL);
                 continue;
             }
             float partial[MAX_PARTS * part_floats(num_heads, head_dim)];
             for (int64_t p = 0; p < parts; ++p) {
                 int64_t begin, end;
-                part_keys(len, block_size, parts, p, &begin, &end);
+                part_keys(first, len, block_size, parts, p, &begin, &end);
                 float *po = partial + p * part_floats(num_heads, head_dim);
                 attend_part(qs, k_cache, v_cache, blocks, len, po, scratch, num_heads, group, num_kv_heads, head_dim,
                             block_size, row_stride, scale, kv_bf16, begin, end, po + num_heads * head_dim);
@@ -421,26 +441,28 @@ static inline __attribute__((always_inline)) void attend_range(
         switch (head_dim) {
         case 64:
             attend_seq(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, 64, block_size, row_stride, scale,
-                       kv_bf16);
+                       kv_bf16, first);
             break;
         case 128:
             attend_seq(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, 128, block_size, row_stride,
-                       scale, kv_bf16);
+                       scale, kv_bf16, first);
             break;
         default:
             attend_seq(qs, k_cache, v_cache, blocks, len, os, scratch, num_heads, group, head_dim, block_size,
-                       row_stride, scale, kv_bf16);
+                       row_stride, scale, kv_bf16, first);
         }
     }
 }
 
-/* `scratch`: num_heads * (block_size + 2) floats. */
+/* `scratch`: num_heads * (block_size + 2) floats. `window`: a sliding window's keys (0: every key); the
+ * table's blocks before the window's first key are never read (they may have been freed). */
 void paged_decode_attention(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
                             const int32_t *restrict table, int64_t table_stride, const int32_t *restrict seq_lens,
                             float *restrict out, float *restrict scratch, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, float scale, int64_t seq_begin, int64_t seq_end) {
+                            int64_t head_dim, int64_t block_size, float scale, int64_t seq_begin, int64_t seq_end,
+                            int64_t window) {
     attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch, num_heads, num_kv_heads, head_dim,
-                 block_size, scale, seq_begin, seq_end, 0);
+                 block_size, scale, seq_begin, seq_end, 0, window);
 }
 
 /* The same over a bfloat16 cache (uint16_t bit patterns); q, out and scratch float32. */
@@ -448,9 +470,9 @@ void paged_decode_attention_bf16(const float *restrict q, const uint16_t *restri
                                  const uint16_t *restrict v_cache, const int32_t *restrict table, int64_t table_stride,
                                  const int32_t *restrict seq_lens, float *restrict out, float *restrict scratch,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                 float scale, int64_t seq_begin, int64_t seq_end) {
+                                 float scale, int64_t seq_begin, int64_t seq_end, int64_t window) {
     attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch, num_heads, num_kv_heads, head_dim,
-                 block_size, scale, seq_begin, seq_end, 1);
+                 block_size, scale, seq_begin, seq_end, 1, window);
 }
 
 #ifdef _OPENMP
@@ -463,15 +485,15 @@ static inline __attribute__((always_inline)) void attend_unit(
     const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
     const int32_t *restrict table, int64_t table_stride, const int32_t *restrict seq_lens, float *restrict out,
     float *restrict scratch, float *restrict partial, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int64_t seq, int64_t p, int64_t parts, const int kv_bf16) {
+    int64_t block_size, float scale, int64_t seq, int64_t p, int64_t parts, const int kv_bf16, const int64_t window) {
     if (parts == 1) {
         attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch, num_heads, num_kv_heads,
-                     head_dim, block_size, scale, seq, seq + 1, kv_bf16);
+                     head_dim, block_size, scale, seq, seq + 1, kv_bf16, window);
         return;
     }
 #if defined(__AVX512F__)
     int64_t begin, end;
-    part_keys(seq_lens[seq], block_size, parts, p, &begin, &end);
+    part_keys(first_key(seq_lens[seq], window), seq_lens[seq], block_size, parts, p, &begin, &end);
     attend_part(q + seq * num_heads * head_dim, k_cache, v_cache, table + seq * table_stride, seq_lens[seq], partial,
                 scratch, num_heads, num_heads / num_kv_heads, num_kv_heads, head_dim, block_size,
                 num_kv_heads * head_dim, scale, kv_bf16, begin, end, partial + num_heads * head_dim);
@@ -483,12 +505,12 @@ static inline __attribute__((always_inline)) void attend_unit(
  * pool of our own would compete with them for the cores. The work goes out as units claimed in
  * turn: a whole sequence, or one part of a split one (num_parts), so one long sequence is
  * attended on every thread; the split sequences' parts are merged after. The same bits as one
- * thread. Thread i uses scratch + i * scratch_stride. */
+ * thread. Thread i uses scratch + i * scratch_stride; `window` as paged_decode_attention's. */
 void paged_decode_attention_parts(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
                                   const int32_t *restrict table, int64_t table_stride, const int32_t *restrict seq_lens,
                                   float *restrict out, float *restrict scratch, int64_t scratch_stride,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                  float scale, int64_t num_seqs, int64_t threads, int64_t kv_bf16) {
+                                  float scale, int64_t num_seqs, int64_t threads, int64_t kv_bf16, int64_t window) {
     int64_t first_stack[65], *first = num_seqs < 65 ? first_stack : malloc((num_seqs + 1) * sizeof(int64_t));
     first[0] = 0;
     int split = 0;
@@ -498,7 +520,7 @@ void paged_decode_attention_parts(const float *restrict q, const void *restrict 
     for (int64_t i = 0; i < num_seqs; ++i) {
         int64_t parts = 1;
 #if defined(__AVX512F__)
-        if (split) parts = num_parts(seq_lens[i], block_size);
+        if (split) parts = num_parts(first_key(seq_lens[i], window), seq_lens[i], block_size);
 #endif
         first[i + 1] = first[i] + parts;
     }
@@ -520,10 +542,10 @@ void paged_decode_attention_parts(const float *restrict q, const void *restrict 
             float *part = partial ? partial + u * pf : NULL;
             if (kv_bf16)
                 attend_unit(q, k_cache, v_cache, table, table_stride, seq_lens, out, mine, part, num_heads,
-                            num_kv_heads, head_dim, block_size, scale, lo, u - first[lo], parts, 1);
+                            num_kv_heads, head_dim, block_size, scale, lo, u - first[lo], parts, 1, window);
             else
                 attend_unit(q, k_cache, v_cache, table, table_stride, seq_lens, out, mine, part, num_heads,
-                            num_kv_heads, head_dim, block_size, scale, lo, u - first[lo], parts, 0);
+                            num_kv_heads, head_dim, block_size, scale, lo, u - first[lo], parts, 0, window);
         }
 #if defined(__AVX512F__)
         if (partial) {
