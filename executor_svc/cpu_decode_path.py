@@ -42,6 +42,35 @@ log = logging.getLogger(__name__)
 # sequences over the torch threads (about 15 us more a layer, less than one thread's extra time).
 ONE_THREAD_KEYS = 2048
 F32 = 4  # bytes
+MAX_SEGMENTS = 4  # of a merged projection, in the one-call step (csrc/cpu_ops.c's PAGODA_MAX_SEGMENTS)
+
+_i64 = ctypes.c_int64
+
+
+class _CLinear(ctypes.Structure):  # csrc/cpu_ops.c: pagoda_linear_t
+    _fields_ = [("segments", _i64), ("out", _i64), ("in_", _i64), ("type", _i64 * MAX_SEGMENTS),
+                ("weight", _i64 * MAX_SEGMENTS), ("row_bytes", _i64 * MAX_SEGMENTS), ("rows", _i64 * MAX_SEGMENTS)]
+
+
+class _CLayer(ctypes.Structure):  # pagoda_layer_t
+    _fields_ = [("qkv", _CLinear), ("o", _CLinear), ("gate_up", _CLinear), ("down", _CLinear), ("norms", _i64 * 4),
+                ("q_norm", _i64), ("k_norm", _i64), ("gelu", _i64), ("local_rope", _i64), ("window", _i64),
+                ("k_cache", _i64), ("v_cache", _i64), ("scale", ctypes.c_float)]
+
+
+class _CStep(ctypes.Structure):  # pagoda_step_t
+    _fields_ = [(name, _i64) for name in (
+        "rows", "hidden", "q_size", "kv_size", "inter", "heads", "kv_heads", "head_dim", "block_size", "kv_bf16",
+        "threads", "sandwich", "matmul", "attend", "residual", "hidden_out", "normed", "qkv", "q", "attn", "gate_up",
+        "act", "side", "xs", "scratch", "scratch_stride", "cos", "sin", "local_cos", "local_sin",
+    )] + [("eps", ctypes.c_float)]
+
+
+def _c_linear(linear: _Linear) -> _CLinear:
+    c = _CLinear(segments=len(linear.segments), out=linear.out_features, in_=linear.in_features)
+    for i, (ggml_type, weight, row_bytes, rows) in enumerate(linear.segments):
+        c.type[i], c.weight[i], c.row_bytes[i], c.rows[i] = ggml_type, weight, row_bytes, rows
+    return c
 
 
 @dataclass(frozen=True)
@@ -96,6 +125,28 @@ class CpuDecodePath:
             torch.bfloat16: (library.pagoda_write_kv_bf16, self._kernel.c_function(torch.bfloat16)),
         }
         c = model.config
+        # the whole step's layers in one C call (pagoda_decode_layers), where the attention takes one entry
+        self._one_call = None
+        step_attend = self._kernel.step_function
+        if step_attend is not None and all(len(x.segments) <= MAX_SEGMENTS for layer in layers
+                                           for x in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            self._one_call = library.pagoda_decode_layers
+            self._one_call.argtypes = [ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p]
+            self._one_call.restype = None
+            self._c_layers = (_CLayer * len(layers))(*[
+                _CLayer(qkv=_c_linear(x.qkv), o=_c_linear(x.o), gate_up=_c_linear(x.gate_up), down=_c_linear(x.down),
+                        norms=(_i64 * 4)(*x.norms, *[0] * (4 - len(x.norms))),
+                        q_norm=x.qk_norms[0] if x.qk_norms else 0, k_norm=x.qk_norms[1] if x.qk_norms else 0,
+                        gelu=int(x.gelu), local_rope=int(x.local_rope), window=x.window, scale=x.scale)
+                for x in layers
+            ])
+            self._c_step = _CStep(
+                hidden=c.hidden_size, q_size=c.q_size, kv_size=c.kv_size, inter=c.intermediate_size, heads=c.num_heads,
+                kv_heads=c.num_kv_heads, head_dim=c.head_dim, threads=self._kernel.num_threads, sandwich=int(sandwich),
+                matmul=ctypes.cast(self._gguf_strided, ctypes.c_void_p).value,
+                attend=ctypes.cast(step_attend, ctypes.c_void_p).value, eps=c.rms_norm_eps,
+            )
+            self._cache_ptrs = None  # the K/V caches' addresses the layers' structures hold
         self._embed_scale = getattr(c, "embed_scale", None)
         self._dtype = model.dtype
         # the GGUF kernel's scratch (x's block sums): one call at a time
@@ -205,6 +256,27 @@ class CpuDecodePath:
             return None
         return slots, table, group.kernel_lens, group
 
+    def _one_step(self, rows, block_size, kv_bf16, kv_caches, metas, layouts, buffers, tables) -> None:
+        """Every layer in one C call (`pagoda_decode_layers`: forward's loop below, call for call)."""
+        step = self._c_step
+        ptrs = tuple(t.data_ptr() for kv in kv_caches for t in kv)
+        if ptrs != self._cache_ptrs:
+            for layer, k_cache, v_cache in zip(self._c_layers, ptrs[::2], ptrs[1::2], strict=True):
+                layer.k_cache, layer.v_cache = k_cache, v_cache
+            self._cache_ptrs = ptrs
+        step.rows, step.block_size, step.kv_bf16 = rows, block_size, kv_bf16
+        (step.residual, step.hidden_out, step.normed, step.qkv, step.q, step.attn, step.gate_up, step.act, step.side,
+         step.xs, step.scratch) = (0 if b is None else b.data_ptr() for b in buffers)
+        step.scratch_stride = buffers[-1].stride(0)
+        step.cos, step.sin = (t.data_ptr() for t in tables[False])
+        if True in tables:
+            step.local_cos, step.local_sin = (t.data_ptr() for t in tables[True])
+        rows_of = {}
+        for key, (slots, table, lens, _) in layouts.items():
+            rows_of[key] = (slots.data_ptr(), table.data_ptr(), table.stride(0), lens.data_ptr(), lens.shape[0])
+        per_layer = (_i64 * (5 * len(metas)))(*[v for m in metas for v in rows_of[id(m)]])
+        self._one_call(self._c_layers, len(self._c_layers), ctypes.byref(step), per_layer)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> tuple | None:
         """(hidden, residual) as the model's forward returns them, or None: this step is not for this path.
 
@@ -264,6 +336,10 @@ class CpuDecodePath:
         ROPE = {local: (cos.data_ptr(), sin.data_ptr()) for local, (cos, sin) in tables.items()}
         SCRATCH = scratch.data_ptr()
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        if self._one_call is not None and rows <= self.max_rows:
+            self._one_step(rows, block_size, kv_bf16, kv_caches, metas, layouts, (
+                residual, hidden, normed, qkv, q, attn, gate_up, act, side, self._scratch, scratch), tables)
+            return hidden, residual
         kernel = self._kernel
         q_heads = q.view(rows, heads, head_dim)
         sandwich = self.sandwich

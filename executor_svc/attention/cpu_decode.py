@@ -59,6 +59,10 @@ class CpuDecodeKernel:
         self.num_threads = max(1, num_threads)
         self._parts = None  # paged_decode_attention_parts: sequences, and parts of long ones, on torch's team
         self._pool = None
+        self._seqs = library.paged_decode_attention_seqs  # the same arguments, on the calling thread
+        self._seqs.argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, *[_c_int64] * 5, _c_float,
+                               *[_c_int64] * 4]
+        self._seqs.restype = None
         if openmp and self.num_threads > 1:
             self._parts = library.paged_decode_attention_parts
             self._parts.argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, *[_c_int64] * 5, _c_float,
@@ -96,6 +100,15 @@ class CpuDecodeKernel:
         kernel's `num_threads`. The same bits as `c_function` over every sequence.
         """
         return self._parts
+
+    @property
+    def step_function(self):
+        """The entry a whole-step caller runs every step's sequences through, with `parts_function`'s
+        arguments: `parts_function` on the OpenMP team, or with one thread the calling thread's loop;
+        None for several threads without the team (the caller splits the sequences)."""
+        if self._parts is not None:
+            return self._parts
+        return self._seqs if self.num_threads == 1 else None
 
     def c_function(self, dtype: torch.dtype = torch.float32):
         """The C entry for a `dtype` cache, for callers that run a whole step in C (one range of sequences a call)::

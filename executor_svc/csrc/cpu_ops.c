@@ -133,3 +133,112 @@ void pagoda_silu_and_mul(const float *x, int64_t rows, int64_t n, float *out) {
         for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+// ---- A whole decode step's layers in one call (executor_svc/cpu_decode_path.py) ----------------
+//
+// The same calls, in the same order on the same buffers, as CpuDecodePath's per-layer loop in
+// Python (so the same bits): each layer's norms, its GGUF matmuls (`matmul`, the GGUF kernel's
+// gguf_matmul_strided), rotary, the K/V write, the decode attention on the OpenMP team (`attend`,
+// paged_decode_attention_parts) and its MLP. One ctypes call a step instead of about fourteen a
+// layer, each of which cost a microsecond or more of argument conversion in Python. Pointers
+// travel as int64 (the ctypes structures in cpu_decode_path.py mirror these).
+
+typedef void (*matmul_fn)(int type, const void *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
+                          int64_t m, float *xs, float *y, int64_t ldy);
+typedef void (*attend_fn)(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                          int64_t table_stride, const int32_t *seq_lens, float *out, float *scratch,
+                          int64_t scratch_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale, int64_t num_seqs, int64_t threads, int64_t kv_bf16,
+                          int64_t window);
+
+#define PAGODA_MAX_SEGMENTS 4
+typedef struct {  // y [rows, out] = x [rows, in] @ W.T, W in segments of rows (a merged projection's parts)
+    int64_t segments, out, in;
+    int64_t type[PAGODA_MAX_SEGMENTS], weight[PAGODA_MAX_SEGMENTS], row_bytes[PAGODA_MAX_SEGMENTS],
+        rows[PAGODA_MAX_SEGMENTS];
+} pagoda_linear_t;
+
+typedef struct {
+    pagoda_linear_t qkv, o, gate_up, down;
+    int64_t norms[4];  // input, post-attention (+ pre- and post-feedforward: sandwich)
+    int64_t q_norm, k_norm;  // 0: none
+    int64_t gelu, local_rope, window, k_cache, v_cache;
+    float scale;
+} pagoda_layer_t;
+
+typedef struct {
+    int64_t rows, hidden, q_size, kv_size, inter, heads, kv_heads, head_dim, block_size, kv_bf16, threads, sandwich;
+    int64_t matmul, attend;  // function pointers
+    int64_t residual, hidden_out, normed, qkv, q, attn, gate_up, act, side, xs, scratch, scratch_stride;
+    int64_t cos, sin, local_cos, local_sin;
+    float eps;
+} pagoda_step_t;
+
+static void linear(const pagoda_step_t *s, const pagoda_linear_t *l, const float *x, float *y) {
+    const matmul_fn mm = (matmul_fn)(intptr_t)s->matmul;
+    int64_t start = 0;
+    for (int64_t i = 0; i < l->segments; i++) {
+        mm((int)l->type[i], (const void *)(intptr_t)l->weight[i], l->row_bytes[i], l->rows[i], l->in, x, s->rows,
+           (float *)(intptr_t)s->xs, y + start, l->out);
+        start += l->rows[i];
+    }
+}
+
+// per_layer [num_layers][5]: the layer's K/V write slots (int64), block table (int32), its row
+// stride, sequence lengths (int32) and number of sequences (its KV cache group's step layout).
+void pagoda_decode_layers(const pagoda_layer_t *layers, int64_t num_layers, const pagoda_step_t *s,
+                          const int64_t *per_layer) {
+    const int64_t rows = s->rows, hid = s->hidden, q_size = s->q_size, kv_size = s->kv_size;
+    const int64_t qkv_width = q_size + 2 * kv_size, heads = s->heads, kv_heads = s->kv_heads, hd = s->head_dim;
+    const float eps = s->eps;
+    float *R = (float *)(intptr_t)s->residual, *H = (float *)(intptr_t)s->hidden_out, *N = (float *)(intptr_t)s->normed;
+    float *QKV = (float *)(intptr_t)s->qkv, *Q = (float *)(intptr_t)s->q, *A = (float *)(intptr_t)s->attn;
+    float *GU = (float *)(intptr_t)s->gate_up, *ACT = (float *)(intptr_t)s->act, *SIDE = (float *)(intptr_t)s->side;
+    float *K = QKV + q_size, *V = QKV + q_size + kv_size;
+    const attend_fn attend = (attend_fn)(intptr_t)s->attend;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const pagoda_layer_t *L = layers + i;
+        const int64_t *g = per_layer + 5 * i;
+        const float *const *norms = (const float *const *)L->norms;
+        void *KC = (void *)(intptr_t)L->k_cache, *VC = (void *)(intptr_t)L->v_cache;
+        if (i == 0)
+            pagoda_rms_norm(R, hid, norms[0], N, rows, hid, eps);
+        else
+            pagoda_add_rms_norm(H, hid, R, hid, norms[0], N, R, rows, hid, eps);
+        linear(s, &L->qkv, N, QKV);
+        if (L->q_norm) {
+            pagoda_rms_norm_heads(QKV, qkv_width, heads, hd, (const float *)(intptr_t)L->q_norm, rows, eps);
+            pagoda_rms_norm_heads(K, qkv_width, kv_heads, hd, (const float *)(intptr_t)L->k_norm, rows, eps);
+        }
+        const float *cos_t = (const float *)(intptr_t)(L->local_rope ? s->local_cos : s->cos);
+        const float *sin_t = (const float *)(intptr_t)(L->local_rope ? s->local_sin : s->sin);
+        pagoda_rotary_neox(QKV, qkv_width, Q, q_size, rows, heads, hd, cos_t, sin_t);
+        pagoda_rotary_neox(K, qkv_width, K, qkv_width, rows, kv_heads, hd, cos_t, sin_t);
+        const int64_t *slots = (const int64_t *)(intptr_t)g[0];
+        if (s->kv_bf16)
+            pagoda_write_kv_bf16(K, V, qkv_width, KC, VC, slots, rows, kv_size);
+        else
+            pagoda_write_kv(K, V, qkv_width, KC, VC, slots, rows, kv_size);
+        attend(Q, KC, VC, (const int32_t *)(intptr_t)g[1], g[2], (const int32_t *)(intptr_t)g[3], A,
+               (float *)(intptr_t)s->scratch, s->scratch_stride, heads, kv_heads, hd, s->block_size, L->scale, g[4],
+               s->threads, s->kv_bf16, L->window);
+        linear(s, &L->o, A, H);
+        if (s->sandwich) {  // x = x + post_attention_norm(h); the MLP reads pre_feedforward_norm(x)
+            pagoda_rms_norm(H, hid, norms[1], SIDE, rows, hid, eps);
+            pagoda_add_rms_norm(SIDE, hid, R, hid, norms[2], N, R, rows, hid, eps);
+        } else {
+            pagoda_add_rms_norm(H, hid, R, hid, norms[1], N, R, rows, hid, eps);
+        }
+        linear(s, &L->gate_up, N, GU);
+        if (L->gelu)
+            pagoda_gelu_tanh_and_mul(GU, rows, s->inter, ACT);
+        else
+            pagoda_silu_and_mul(GU, rows, s->inter, ACT);
+        if (s->sandwich) {  // the layer's hidden output: post_feedforward_norm(mlp)
+            linear(s, &L->down, ACT, SIDE);
+            pagoda_rms_norm(SIDE, hid, norms[3], H, rows, hid, eps);
+        } else {
+            linear(s, &L->down, ACT, H);
+        }
+    }
+}

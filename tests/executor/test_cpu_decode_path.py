@@ -22,14 +22,21 @@ def runner():
     return ModelRunner(model_files.resolve_model(None, weights=False), device="cpu", block_size=16, num_kv_blocks=256)
 
 
-@pytest.mark.parametrize("one_thread_keys", [cpu_decode_path.ONE_THREAD_KEYS, 0], ids=["one-call", "split-attention"])
-def test_each_decode_step_equals_the_modules_to_the_bit(runner, one_thread_keys, monkeypatch):
+@pytest.mark.parametrize(
+    "form", ["one-call", "layer-loop", "split-attention"]
+)  # every layer in one C call (where the attention has the OpenMP team); the Python loop of C calls per layer
+def test_each_decode_step_equals_the_modules_to_the_bit(runner, form, monkeypatch):
     from transformers import AutoTokenizer
 
-    monkeypatch.setattr(cpu_decode_path, "ONE_THREAD_KEYS", one_thread_keys)
     model = runner.model
     path = runner.backend.decode_step
     assert isinstance(path, CpuDecodePath), "the default GGUF model on the CPU takes the decode path"
+    if form == "one-call":
+        assert (path._one_call is not None) == (path._kernel.step_function is not None)
+    else:
+        monkeypatch.setattr(path, "_one_call", None)
+    if form == "split-attention":  # (without the kernel's OpenMP entry: split over the threads above 0 keys)
+        monkeypatch.setattr(cpu_decode_path, "ONE_THREAD_KEYS", 0)
     tok = AutoTokenizer.from_pretrained(str(runner.model_dir))
     texts = ["The capital of France is", "def add(a, b):\n", "Once upon a time, in a small village, there lived"]
     prompts = {f"p{i}": tok(t)["input_ids"] for i, t in enumerate(texts)}

@@ -475,6 +475,23 @@ void paged_decode_attention_bf16(const float *restrict q, const uint16_t *restri
                  block_size, scale, seq_begin, seq_end, 1, window);
 }
 
+/* paged_decode_attention_parts' arguments, every sequence on the calling thread (scratch's first row;
+ * `threads` and `scratch_stride` unused): for a caller that holds one entry for either. The same bits. */
+void paged_decode_attention_seqs(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
+                                 const int32_t *restrict table, int64_t table_stride, const int32_t *restrict seq_lens,
+                                 float *restrict out, float *restrict scratch, int64_t scratch_stride,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                 float scale, int64_t num_seqs, int64_t threads, int64_t kv_bf16, int64_t window) {
+    (void)scratch_stride;
+    (void)threads;
+    if (kv_bf16)
+        attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch, num_heads, num_kv_heads,
+                     head_dim, block_size, scale, 0, num_seqs, 1, window);
+    else
+        attend_range(q, k_cache, v_cache, table, table_stride, seq_lens, out, scratch, num_heads, num_kv_heads,
+                     head_dim, block_size, scale, 0, num_seqs, 0, window);
+}
+
 #ifdef _OPENMP
 #include <omp.h>
 #include <stdlib.h>
