@@ -8,6 +8,11 @@ default model. Here each layer is ten ctypes calls on buffers allocated once per
     add+RMSNorm -> q/k/v matmul -> rotary (q into its own buffer, k in place) -> K/V into the
     paged cache -> decode attention -> o_proj -> add+RMSNorm -> gate/up -> SiLU-and-mul -> down
 
+and where the attention kernel has one entry for a whole step's sequences (its OpenMP team's, or
+one thread's) all the layers' calls are made from C, in one ctypes call a step
+(`pagoda_decode_layers` in csrc/cpu_ops.c, the same calls in the same order): each ctypes call
+cost a microsecond or more of argument conversion, about 0.4 ms a step on Gemma 3's 18 layers.
+
 The C functions are the ones the module path calls (`csrc/cpu_ops.c`, the GGUF kernel, the
 decode-attention kernel), in the same order on the same values, so the hidden states are the
 same to the bit (tests/executor/test_cpu_decode_path.py). It takes a step only when every
