@@ -328,6 +328,10 @@ class CpuDecodePath:
         side = torch.empty(rows, hid) if self.sandwich else None  # a sandwich norm's output
         kernel_threads = self._kernel.num_threads
         scratch = torch.empty(kernel_threads, self._kernel.scratch_floats(c.num_heads, block_size))
+        if self._one_call is not None and rows <= self.max_rows:
+            self._one_step(rows, block_size, kv_bf16, kv_caches, metas, layouts, (
+                residual, hidden, normed, qkv, q, attn, gate_up, act, side, self._scratch, scratch), tables)
+            return hidden, residual
         self._scratch_ptr = self._scratch.data_ptr()
 
         ops, matmul = self._ops, self._matmul
@@ -341,10 +345,6 @@ class CpuDecodePath:
         ROPE = {local: (cos.data_ptr(), sin.data_ptr()) for local, (cos, sin) in tables.items()}
         SCRATCH = scratch.data_ptr()
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        if self._one_call is not None and rows <= self.max_rows:
-            self._one_step(rows, block_size, kv_bf16, kv_caches, metas, layouts, (
-                residual, hidden, normed, qkv, q, attn, gate_up, act, side, self._scratch, scratch), tables)
-            return hidden, residual
         kernel = self._kernel
         q_heads = q.view(rows, heads, head_dim)
         sandwich = self.sandwich

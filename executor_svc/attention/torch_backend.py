@@ -121,12 +121,9 @@ class TorchBackend:
             if k_cache.dtype == q.dtype and q.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu"
             else None
         )
-        if sliding_window is not None and logits_soft_cap is None and kernel is not None and meta.max_query_len == 1:
-            layout = self._layout_for(meta, k_cache.shape[1], kernel)  # one kernel group: every token a decode
-            self._write_kv(k, v, k_cache, v_cache, layout)
-            (g,) = layout.groups
-            return self._attend(g, q, k, v, k_cache, v_cache, scale, window=sliding_window)
-        if sliding_window is not None or logits_soft_cap is not None:
+        # a decode-only step is one group of the kernel's, which reads a window itself
+        kernel_reads_window = kernel is not None and meta.max_query_len == 1
+        if logits_soft_cap is not None or (sliding_window is not None and not kernel_reads_window):
             self._write_kv(k, v, k_cache, v_cache, _write_only_layout(meta))
             return windowed.attend(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
         layout = self._layout_for(meta, k_cache.shape[1], kernel)
@@ -134,10 +131,10 @@ class TorchBackend:
 
         groups = layout.groups
         if len(groups) == 1 and isinstance(groups[0].token_rows, slice):  # the whole batch in one call
-            return self._attend(groups[0], q, k, v, k_cache, v_cache, scale)
+            return self._attend(groups[0], q, k, v, k_cache, v_cache, scale, window=sliding_window)
         out = torch.empty_like(q)
         for g in groups:
-            out[g.token_rows] = self._attend(g, q, k, v, k_cache, v_cache, scale)
+            out[g.token_rows] = self._attend(g, q, k, v, k_cache, v_cache, scale, window=sliding_window)
         return out
 
     def _attend(self, g: _Group, q, k, v, k_cache, v_cache, scale: float, window: int | None = None) -> torch.Tensor:
