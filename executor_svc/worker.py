@@ -85,29 +85,32 @@ class Worker:
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._stop = threading.Event()
-        self._draining = threading.Event()
+        # Set by SIGTERM / SIGINT. A plain attribute, not a threading.Event: a handler runs between
+        # two bytecodes of the main thread, also inside another handler (a terminal's Ctrl-C
+        # reaches us and `scripts/run.sh`, whose trap then sends SIGTERM), and Event.set takes a
+        # lock that the interrupted handler may hold: the process hung for good, deaf to signals.
+        self._drain_signalled = False
 
     # ---- public ---------------------------------------------------------------------------
     def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._draining.set())
+        self.install_signal_handlers()
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         try:
             config = self._handshake_config()
             if config is None:
-                return 0 if self._draining.is_set() else 1
+                return 0 if self._drain_signalled else 1
             self._runner = self._runner_factory(config)
             heartbeat.start()
             while True:
                 if not self._register(config):
-                    return 0 if self._draining.is_set() else 1
+                    return 0 if self._drain_signalled else 1
                 outcome = self._serve()
                 if isinstance(outcome, int):
                     return outcome
                 self._runner.reset()  # the scheduler is gone or forgot us; weights and cache stay
                 config = outcome if outcome is not None else self._handshake_config()
                 if config is None:
-                    return 0 if self._draining.is_set() else 1
+                    return 0 if self._drain_signalled else 1
         finally:
             self._stop.set()
             if heartbeat.is_alive():
@@ -116,6 +119,20 @@ class Worker:
             self._monitor.close(0)
             self._sock.close(linger=1000)
             self._ctx.term()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT drain: requests go back to the scheduler, then the process ends."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_stop_signal)
+
+    def _on_stop_signal(self, signum, frame) -> None:
+        self._drain_signalled = True  # no lock, no I/O: see __init__
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep `seconds`, less once a stop signal came."""
+        deadline = time.monotonic() + seconds
+        while not self._drain_signalled and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
 
     def _link_socket(
         self, identity: str, linger_ms: int, sndhwm: int | None = None, link_timeout_s: float | None = None
@@ -163,10 +180,10 @@ class Worker:
 
     def _handshake_config(self) -> pb.ExecutorConfig | None:
         deadline = time.monotonic() + self.config.handshake_timeout_s
-        while time.monotonic() < deadline and not self._draining.is_set():
+        while time.monotonic() < deadline and not self._drain_signalled:
             if not self._send(hello=pb.Hello(executor_id=self.executor_id)):
                 log.info("waiting for the scheduler at %s", self.config.scheduler)
-                self._draining.wait(1.0)
+                self._pause(1.0)
                 continue
             try:
                 msg = self._recv(2.0)
@@ -179,7 +196,7 @@ class Worker:
             if msg.WhichOneof("kind") == "shutdown":
                 log.error("scheduler refused us: %s", msg.shutdown.reason)
                 return None
-        if not self._draining.is_set():
+        if not self._drain_signalled:
             log.error("no answer from the scheduler at %s in %g s", self.config.scheduler, self.config.handshake_timeout_s)
         return None
 
@@ -203,13 +220,13 @@ class Worker:
             weight_bytes=runner.weight_bytes,
             kv_cache_groups=wire.kv_cache_groups_to_proto(runner.kv_cache_groups),
         )
-        while not self._draining.is_set():
+        while not self._drain_signalled:
             if not self._send(register=register):  # not connected: the scheduler checks a Register itself
-                self._draining.wait(0.5)
+                self._pause(0.5)
                 continue
             deadline = time.monotonic() + 5.0
             try:
-                while time.monotonic() < deadline and not self._draining.is_set():
+                while time.monotonic() < deadline and not self._drain_signalled:
                     msg = self._recv(0.5)
                     kind = msg.WhichOneof("kind") if msg is not None else None
                     if kind == "registered":
@@ -226,7 +243,7 @@ class Worker:
     def _serve(self) -> int | pb.ExecutorConfig | None:
         """Serve steps. Returns an exit status, a config to register with, or None: the scheduler is gone."""
         while True:
-            if self._draining.is_set():
+            if self._drain_signalled:
                 log.info("stopping: handing our requests back to the scheduler")
                 self._send(goodbye=pb.Goodbye(executor_id=self.executor_id, reason="stopping"))
                 return 0

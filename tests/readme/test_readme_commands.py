@@ -71,9 +71,11 @@ def ctrl_c(proc: subprocess.Popen, timeout: float = 60) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        left = subprocess.run(["ps", "-o", "pid,stat,etime,args", "-g", str(proc.pid)], capture_output=True, text=True,
+                              check=False).stdout  # which of the group's processes did not stop
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"still running {timeout:g} s after Ctrl-C:\n{out[-3000:]}")
+        pytest.fail(f"still running {timeout:g} s after Ctrl-C:\n{left}\n{out[-3000:]}")
     return out
 
 
