@@ -27,7 +27,7 @@ worker = Worker(WorkerConfig(scheduler="tcp://127.0.0.1:9", executor_id="signals
 worker.install_signal_handlers()
 handler = signal.getsignal(signal.SIGTERM)
 assert signal.getsignal(signal.SIGINT) == handler, "SIGINT and SIGTERM drain alike"
-code = handler.__code__ if hasattr(handler, "__code__") else handler.__func__.__code__
+code = handler.__func__.__code__  # a bound method: Worker._on_stop_signal
 
 nested_at = 0
 for k in range(1, 200):
