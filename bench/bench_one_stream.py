@@ -1,4 +1,5 @@
-"""One chat stream and 4 streams, side by side: Pagoda (GGUF blocks kept), Pagoda (float32),
+"""One chat stream and 4 streams, side by side: Pagoda (GGUF blocks kept), Pagoda with
+`--gguf-int8-activations` (llama.cpp's int8 x for Q5_0 / Q4_K at one row), Pagoda (float32),
 transformers batch 1, and llama.cpp's server on the same GGUF file.
 
     nice -n 10 .venv/bin/python bench/bench_one_stream.py [--llama-server PATH] [--rounds 1] [--model FILE.gguf ...]
@@ -74,9 +75,10 @@ def gguf_file(model: str | None) -> Path:
 
 
 class Pagoda:
-    def __init__(self, quantization: str, threads: int, scheduler_args: list[str], model: str | None = None) -> None:
+    def __init__(self, quantization: str, threads: int, scheduler_args: list[str], model: str | None = None,
+                 executor_args: tuple[str, ...] = ()) -> None:
         self.svc = Service(model=model, scheduler_args=scheduler_args,
-                           executor_args=["--quantization", quantization, "--num-threads", str(threads)])
+                           executor_args=["--quantization", quantization, "--num-threads", str(threads), *executor_args])
 
     def __enter__(self):
         self.svc.start()
@@ -279,7 +281,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--model", action="append", help='a GGUF file or "default" (repeatable)')
-    parser.add_argument("--only", default="", help="comma-separated subset of: gguf,fp32,hf,forward,llama.cpp")
+    parser.add_argument("--only", default="", help="comma-separated subset of: gguf,gguf-int8,fp32,hf,forward,llama.cpp")
     parser.add_argument("--scheduler-args", default="", help='extra scheduler flags, e.g. "--no-async-scheduling"')
     args = parser.parse_args()
     sched = args.scheduler_args.split()
@@ -332,6 +334,8 @@ def systems(args, sched: list[str], model: str | None) -> dict:
     """name -> (--only key, a function making the system, whether 4 streams are measured too)."""
     found = {
         "Pagoda (GGUF blocks)": ("gguf", lambda: Pagoda("gguf", args.threads, sched, model), True),
+        "Pagoda (GGUF, int8 x)": ("gguf-int8", lambda: Pagoda("gguf", args.threads, sched, model,
+                                                              ("--gguf-int8-activations",)), True),
         "Pagoda (float32)": ("fp32", lambda: Pagoda("none", args.threads, sched, model), True),
         "transformers batch 1": ("hf", lambda: Transformers(args.threads, model), False),
         "forward pass alone (GGUF)": ("forward", lambda: ForwardAlone(args.threads, model), False),

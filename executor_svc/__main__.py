@@ -52,6 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --dtype bfloat16 and a .gguf model: also hold a bfloat16 copy of the weights (2 bytes a weight) "
         "for batched and prefill steps, faster there on CPUs with AMX; decode steps keep reading the blocks",
     )
+    add_bool_flag(
+        p, "--gguf-int8-activations", default=False,
+        help="with a .gguf model on a CPU with AVX-512 VNNI: a decode of one request multiplies Q5_0 and Q4_K weights "
+        "by x rounded to int8 per 32 values, as llama.cpp does (faster; not transformers' float32 numbers)",
+    )
     add_flag(p, "--num-threads", type=int, default=None, help="torch CPU threads (default: one per physical core; idle threads sleep)")
     add_flag(p, "--executor-id", default="", help="default: host-pid-random")
     add_flag(
@@ -109,12 +114,20 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     try:  # the one place the PAGODA_* execution switches are read (bench/README.md)
         backend = BackendOptions.from_env(
-            attention=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, gguf_bf16_weights=args.gguf_bf16_weights
+            attention=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, gguf_bf16_weights=args.gguf_bf16_weights,
+            gguf_int8_activations=args.gguf_int8_activations,
         )
     except ValueError as exc:
         raise StartupError(f"backend options: {exc}") from None
     if args.gguf_bf16_weights and args.dtype not in ("bfloat16", "bf16"):
         raise StartupError(f"--gguf-bf16-weights needs --dtype bfloat16 (got --dtype {args.dtype})")
+    if backend.gguf_int8_activations:
+        from executor_svc.quant.gguf_kernel import get_kernel
+
+        kernel = get_kernel()
+        if kernel is None or not kernel.int8_activations_supported:
+            raise StartupError("--gguf-int8-activations needs the GGUF kernel's AVX-512 VNNI loop, which this CPU "
+                               "or compiler does not have")
     logging.getLogger(__name__).info("backend options: %s", backend.describe())
 
     def runner_options(config, device: str) -> dict:

@@ -48,6 +48,9 @@ class BackendOptions:
     # bfloat16 models: a bfloat16 copy of each GGUF weight beside its blocks, for the GEMM rows (batches,
     # prefill; 2 bytes a weight more), instead of dequantizing a tile per call
     gguf_bf16_weights: bool = False
+    # opt-in, changes the numbers: Q5_0 and Q4_K weights against one row of x (a decode of one request) with x
+    # rounded to int8 per block of 32, multiplied as bytes (AVX-512 VNNI), as llama.cpp computes every GGUF type
+    gguf_int8_activations: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gguf_fused_max_rows", "gguf_bf16_fused_max_rows"):
@@ -104,6 +107,7 @@ ENV_SWITCHES = {
     "gguf_fused_max_rows": "PAGODA_GGUF_FUSED_MAX_ROWS",
     "gguf_bf16_fused_max_rows": "PAGODA_GGUF_BF16_FUSED_MAX_ROWS",
     "gguf_bf16_weights": "PAGODA_GGUF_BF16_WEIGHTS",  # (the executor's --gguf-bf16-weights)
+    "gguf_int8_activations": "PAGODA_GGUF_INT8_ACTIVATIONS",  # (the executor's --gguf-int8-activations)
 }
 
 
@@ -143,6 +147,12 @@ class Backend:
         lookups_only = getattr(model.embed_tokens, "linear", None)  # a GGUFEmbedding's blocks: rows looked up
         if lookups_only is model.lm_head:
             lookups_only = None  # (tied: the LM head multiplies by them)
+        if self.keeps_gguf_blocks:  # (process-wide in the kernel: this replica's choice)
+            from executor_svc.quant.gguf_kernel import get_kernel
+
+            kernel = get_kernel()
+            if kernel.set_int8_activations(self.options.gguf_int8_activations) != self.options.gguf_int8_activations:
+                raise ValueError("gguf_int8_activations (--gguf-int8-activations) needs a CPU with AVX-512 VNNI")
         for module in model.modules():
             if isinstance(module, GGUFLinear):
                 if self.options.gguf_bf16_weights and module is not lookups_only:

@@ -58,14 +58,26 @@ class GGUFKernel:
         library.gguf_supported.argtypes = [_int]
         library.gguf_set_threads.argtypes = [_int]
         library.gguf_use_openmp.argtypes = [_int]
+        library.gguf_set_int8_activations.argtypes = [_int]
         self._lib = library
         library.gguf_max_k.restype = _i64
         self.max_k = library.gguf_max_k()
         self.simd = bool(library.gguf_simd())  # fused AVX2 loops (else the portable row path)
         self.openmp = bool(library.gguf_use_openmp(int(openmp)))  # jobs on torch's OpenMP team
         self.num_threads = library.gguf_set_threads(max(1, num_threads))
+        self.int8_activations_supported = bool(library.gguf_set_int8_activations(1))
+        self.int8_activations = bool(library.gguf_set_int8_activations(0))
         # one caller at a time (the C side's pool is one job at a time too), so one scratch will do
         self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def set_int8_activations(self, on: bool) -> bool:
+        """Opt-in int8 activations (`--gguf-int8-activations`): from now on a Q5_0 or Q4_K matmul against one
+        row of x rounds x to int8 per block of 32 and multiplies bytes, as llama.cpp does (faster, not the
+        float32 numbers: see gguf_avx512.h); every other type and shape keeps float32 x. Returns
+        whether it is in effect (off: this build has no AVX-512 VNNI loop). Process-wide, as the
+        kernel is: a Backend sets it from its options."""
+        self.int8_activations = bool(self._lib.gguf_set_int8_activations(int(on)))
+        return self.int8_activations
 
     def supports(self, ggml_type: int, in_features: int) -> bool:
         """Whether rows of `in_features` weights of this GGML type can stay packed (whole blocks a row)."""

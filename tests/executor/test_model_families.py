@@ -34,6 +34,7 @@ from tests.model_families import (
     FAMILIES,
     GGUF_ARCHITECTURES,
     GGUF_CONFIG,
+    GGUF_TYPES,
     MOE_GGUF_ARCHITECTURES,
     MOE_GGUF_CONFIG,
     SLIDING,
@@ -313,3 +314,52 @@ def test_family_gguf_decode_steps_through_the_c_path_equal_transformers(kind, tm
     assert taken >= 2 * MAX_TOKENS - 4, taken  # (the decodes of the three requests, some together)
     if kind == "gemma3":  # its file keeps the window (16: the long prompt is 4 windows and more)
         assert windows == {WINDOW} and past_window >= MAX_TOKENS, (windows, past_window)
+
+
+def test_gguf_int8_activations_quality_bound_at_one_row(tmp_path, default_model_dir, monkeypatch):
+    """`--gguf-int8-activations` (opt-in, not transformers' numbers): a tiny Llama GGUF file whose
+    layers are all Q5_0, teacher-forced one token a step (so every step is a one-row step through the
+    C decode path, the shape the int8 loop takes), against the same runner with float32 x: the
+    log-probabilities within 0.1, 0.01 on average (measured max 0.029, mean 0.004), and the same top-1
+    token at >= 90 % of the positions (measured 97.9 %). (The Gemma-3-shaped Q4_K_M file of the
+    benchmarks, one decode step: max 0.024, mean 0.004.)"""
+    kernel = get_kernel()
+    if kernel is None or not kernel.int8_activations_supported:
+        pytest.skip("no AVX-512 VNNI loop in this build of the GGUF kernel")
+    from executor_svc.backend import BackendOptions
+    from tests.executor.plans import PlanBuilder, run_to_completion
+
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        monkeypatch.setitem(GGUF_TYPES, name, "Q5_0")
+    hf_dir, gguf_dir = tmp_path / "hf", tmp_path / "gguf"
+    # weights of std 0.05: nearer a trained model's scale than the family tests' 0.2, under which any rounding
+    # grows layer after layer (there: max 0.91, mean 0.070, top-1 87.5 %)
+    build_family("llama", hf_dir, default_model_dir, initializer_range=0.05)
+    model_dir = gguf_model_dir(write_gguf("llama", hf_dir, tmp_path / "tiny-llama.gguf"), hf_dir, gguf_dir)
+    tokens = torch.randint(3, 40000, (48,), generator=torch.Generator().manual_seed(9)).tolist()
+
+    def logprobs(int8: bool) -> torch.Tensor:
+        runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+                             backend=BackendOptions(gguf_int8_activations=int8))
+        assert kernel.int8_activations == int8 and runner.backend.decode_step is not None
+        builder = PlanBuilder(block_size=4, num_blocks=64, seed=2)
+        builder.add("t", tokens, max_tokens=1, chunk_sizes=[1])
+        rows: list[torch.Tensor] = []
+
+        def step(plan):
+            result, logits = runner.execute_with_logits(plan)
+            rows.extend(logits.values())
+            return result
+
+        run_to_completion(runner, builder, on_step=step)
+        return torch.cat(rows).log_softmax(-1)
+
+    try:
+        float_x, int8_x = logprobs(False), logprobs(True)
+    finally:
+        kernel.set_int8_activations(False)
+    diff = (float_x - int8_x).abs()
+    agree = (float_x.argmax(-1) == int8_x.argmax(-1)).float().mean().item()
+    print(f"int8 x: max |dlogprob| {diff.max():.4f}, mean {diff.mean():.5f}; top-1 agreement {agree:.3f}")
+    assert diff.max() > 0  # (the int8 loop ran)
+    assert diff.max() <= 0.1 and diff.mean() <= 0.01 and agree >= 0.9

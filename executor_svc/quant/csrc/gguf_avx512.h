@@ -212,4 +212,121 @@ INLINE void group_rows_512(const int type, const uint8_t *restrict w, const int6
     }
 }
 
+#if defined(__AVX512VNNI__)
+/* ---- int8 activations (`--gguf-int8-activations`): Q5_0 against one row of x, llama.cpp's way ----
+ *
+ * Opt-in, and the one loop here that changes the numbers: x is rounded to int8 per block of 32
+ * (scale max|x| / 127, as llama.cpp's Q8_0 activations; the scale kept in float32), and a block's
+ * 32 weights (5-bit, unsigned) are multiplied into it as bytes by one vpdpbusd, 4 products a lane,
+ * exact in int32; the block's -16 offset is -16 times the sum of its int8 x, the accumulator's
+ * starting value. The float loop above (rows_512_1) widens every weight to a float lane and
+ * multiplies 16 a register; on AMD's Zen 4, which runs a 512-bit operation as two 256-bit ones,
+ * 32 bytes a 256-bit register cost about half the operations. Q4_K the same way, a sub-block of 32
+ * 4-bit quants against a block of x, its scale d sc times x's; its min (dmin m) against the sum of
+ * the rounded x of the block. Relative error of a product against the float32 one: ~5e-3 (the
+ * bound: tests/kernels/test_gguf_matmul.py). */
+
+/* x [K] -> xq [K] int8, xd [K / 32] (the blocks' scales), xc [K / 32] (-16 times each block's int8 sum: Q5_0's
+ * offset) and xs [K / 32] (each block's sum of the rounded x, xd times its int8 sum: Q4_K's mins) */
+INLINE void quantize_x_q8(const float *restrict x, const int64_t K, int8_t *restrict xq, float *restrict xd,
+                          int32_t *restrict xc, float *restrict xs) {
+    for (int64_t b = 0; b < K / QK; ++b) {
+        const float *xb = x + QK * b;
+        const __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inv));
+        _mm_storeu_si128((__m128i *)(xq + QK * b), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + QK * b + 16), _mm512_cvtsepi32_epi8(q1));
+        /* a NaN or infinity in the block (its sum's exponent all ones, tested on the bits: fast-math is on)
+         * makes its scale NaN, so the products come out NaN as float32 x's would, not quietly finite */
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        uint32_t bits;
+        memcpy(&bits, &sum, 4);
+        xd[b] = (bits & 0x7F800000u) == 0x7F800000u ? __builtin_nanf("") : amax / 127.f;
+        const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        xc[b] = -16 * qsum;
+        xs[b] = xd[b] * (float)qsum;
+    }
+}
+
+/* A Q5_0 block's 32 quants as unsigned bytes 0-31, weight i in byte i: the 16 bytes of nibbles in
+ * both halves, the upper half shifted down 4, then 16 added where the block's 5th bit is set. */
+INLINE __m256i q5_0_bytes(const uint8_t *restrict blk) {
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 6)));
+    const __m256i shift = _mm256_set_epi64x(4, 4, 0, 0);
+    const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi64(both, shift), _mm256_set1_epi8(0x0F));
+    return _mm256_mask_add_epi8(nibbles, (__mmask32)qh, nibbles, _mm256_set1_epi8(0x10));
+}
+
+INLINE float hsum256(const __m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* Rows [n0, n1) of a Q5_0 W against the int8 row (xq, xd, xc): R rows of W at a time (a constant in
+ * each inlined copy), each with its own accumulator. */
+INLINE void tile_q5_0_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t nb, const int8_t *restrict xq,
+                         const float *restrict xd, const int32_t *restrict xc, float *restrict y, const int64_t n,
+                         const int64_t n1, const int R) {
+    __m256 acc[4];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) prefetch_ahead(w + (n + r) * row_bytes, row_bytes, n + r, n1);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + QK * b));
+        const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(xc[b]));
+        const float dx = xd[b];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t *blk = w + (n + r) * row_bytes + 22 * b;
+            const __m256i dot = _mm256_dpbusd_epi32(start, q5_0_bytes(blk), xv);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(fp16(blk) * dx), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) y[n + r] = hsum256(acc[r]);
+}
+
+/* Rows [n0, n1) of a Q4_K W against the int8 row: per 256 weights decode_group's scales (d sc) and mins
+ * (-(dmin m)), 32 bytes of quants = two sub-blocks (low nibbles, then high), one vpdpbusd each. */
+INLINE void rows_q4_k_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t K, const int8_t *restrict xq,
+                         const float *restrict xd, const float *restrict xs, float *restrict y, const int64_t n0,
+                         const int64_t n1) {
+    const int64_t ng = K / QK_K;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    group_t G;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *row = w + n * row_bytes;
+        prefetch_ahead(row, row_bytes, n, n1);
+        __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; ++g) {
+            decode_group(GGML_Q4_K, row, g, K, &G, 0);
+            const uint8_t *ql = row + g * 144 + 16;
+            const int64_t b0 = g * 8;
+            for (int j = 0; j < 4; ++j) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
+                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                const int64_t b = b0 + 2 * j;
+                const __m256i dlo = _mm256_dpbusd_epi32(zero, lo, _mm256_loadu_si256((const __m256i *)(xq + QK * b)));
+                const __m256i dhi = _mm256_dpbusd_epi32(zero, hi, _mm256_loadu_si256((const __m256i *)(xq + QK * b + QK)));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_set1_ps(G.scale[2 * j] * xd[b]), acc);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_set1_ps(G.scale[2 * j + 1] * xd[b + 1]), acc);
+            }
+            macc = _mm256_fmadd_ps(_mm256_load_ps(G.min), _mm256_loadu_ps(xs + b0), macc);
+        }
+        y[n] = hsum256(_mm256_add_ps(acc, macc));
+    }
+}
+
+INLINE void rows_q5_0_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t K, const int8_t *restrict xq,
+                         const float *restrict xd, const int32_t *restrict xc, float *restrict y, const int64_t n0,
+                         const int64_t n1) {
+    const int64_t nb = K / QK;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) tile_q5_0_q8(w, row_bytes, nb, xq, xd, xc, y, n, n1, 4);
+    for (; n < n1; ++n) tile_q5_0_q8(w, row_bytes, nb, xq, xd, xc, y, n, n1, 1);
+}
+#endif
+
 #endif

@@ -48,6 +48,13 @@
 #define GGUF_AVX512 0
 #endif
 
+/* AVX-512 VNNI too: Q5_0 and Q4_K against one row of x may take int8 activations (gguf_set_int8_activations). */
+#if GGUF_AVX512 && defined(__AVX512VNNI__)
+#define GGUF_VNNI 1
+#else
+#define GGUF_VNNI 0
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define cpu_relax() _mm_pause()
@@ -72,8 +79,18 @@ typedef struct {
     float *y;
     const int64_t *idx; /* dequantize job: row ids (NULL: rows 0..N-1) */
     int dequant;
+    int q8; /* Q5_0 / Q4_K at one row of x with int8 activations: x quantized into g_xq / g_xd / g_xc / g_xs */
     int64_t chunk_rows, chunks;
 } job_t;
+
+/* The int8 activations of the job in flight (one caller at a time), and whether they are asked for. */
+static int g_int8_x;
+#if GGUF_VNNI
+static int8_t g_xq[MAX_K];
+static float g_xd[MAX_K / 32];
+static int32_t g_xc[MAX_K / 32];
+static float g_xs[MAX_K / 32];
+#endif
 
 static void dequant_row(const int type, const uint8_t *row, const int64_t K, float *out) {
 #if GGUF_SIMD
@@ -128,6 +145,16 @@ INLINE void group_tile_512(const int type, const job_t *j, const float *x, const
 INLINE void tiles(const int type, const job_t *j, const int64_t n0, const int64_t n1) {
     const int simple = type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0 || type == I8_ROW;
     int64_t m0 = 0;
+#if GGUF_VNNI
+    if (type == GGML_Q5_0 && j->q8) {
+        rows_q5_0_q8(j->w, j->row_bytes, j->K, g_xq, g_xd, g_xc, j->y, n0, n1);
+        return;
+    }
+    if (type == GGML_Q4_K && j->q8) {
+        rows_q4_k_q8(j->w, j->row_bytes, j->K, g_xq, g_xd, g_xs, j->y, n0, n1);
+        return;
+    }
+#endif
 #if GGUF_AVX512
     if (j->M == 1 && one_row_512(type)) {
         rows_512_1(type, j->w, j->row_bytes, j->K, j->x, j->xs, j->y, n0, n1);
@@ -342,6 +369,14 @@ int gguf_simd(void) { return GGUF_SIMD; }
 /* Whether the types of group_rows take the AVX-512 loop in this build (gguf_avx512.h). */
 int gguf_avx512(void) { return GGUF_AVX512; }
 
+/* Opt-in int8 activations (on != 0): Q5_0 and Q4_K weights against one row of x round x to int8 per
+ * block of 32 and multiply bytes (gguf_avx512.h); every other type and shape keeps float32 x. Returns
+ * whether it is in effect (this build has AVX-512 VNNI). */
+int gguf_set_int8_activations(const int on) {
+    g_int8_x = GGUF_VNNI && on != 0;
+    return g_int8_x;
+}
+
 /* y[m * ldy + n] = (x[M][K] @ dequant(W)[N][K].T)[m][n]; xs: scratch of M * K / 32 floats. */
 void gguf_matmul_strided(const int type, const uint8_t *w, const int64_t row_bytes, const int64_t N, const int64_t K,
                          const float *x, const int64_t M, float *xs, float *y, const int64_t ldy) {
@@ -353,7 +388,12 @@ void gguf_matmul_strided(const int type, const uint8_t *w, const int64_t row_byt
             xs[i] = s;
         }
     }
-    g_job = (job_t){.type = type, .w = w, .row_bytes = row_bytes, .K = K, .M = M, .N = N, .ldy = ldy, .x = x, .xs = xs, .y = y};
+    const int q8 = g_int8_x && M == 1 && (type == GGML_Q5_0 || type == GGML_Q4_K);
+#if GGUF_VNNI
+    if (q8) quantize_x_q8(x, K, g_xq, g_xd, g_xc, g_xs);
+#endif
+    g_job = (job_t){.type = type, .w = w, .row_bytes = row_bytes, .K = K, .M = M, .N = N, .ldy = ldy, .x = x, .xs = xs,
+                    .y = y, .q8 = q8};
     run_job(M * K);
 }
 
