@@ -213,9 +213,9 @@ INLINE void group_rows_512(const int type, const uint8_t *restrict w, const int6
 }
 
 #if defined(__AVX512VNNI__)
-/* ---- int8 activations (`--gguf-int8-activations`): Q5_0 against one row of x, llama.cpp's way ----
+/* ---- int8 activations (`--gguf-int8-activations`): Q5_0 and Q4_K against one row of x, llama.cpp's way ----
  *
- * Opt-in, and the one loop here that changes the numbers: x is rounded to int8 per block of 32
+ * Opt-in, and the only loops here that change the numbers: x is rounded to int8 per block of 32
  * (scale max|x| / 127, as llama.cpp's Q8_0 activations; the scale kept in float32), and a block's
  * 32 weights (5-bit, unsigned) are multiplied into it as bytes by one vpdpbusd, 4 products a lane,
  * exact in int32; the block's -16 offset is -16 times the sum of its int8 x, the accumulator's
