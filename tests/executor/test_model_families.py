@@ -322,7 +322,7 @@ def test_gguf_int8_activations_quality_bound_at_one_row(tmp_path, default_model_
     C decode path, the shape the int8 loop takes), against the same runner with float32 x: the
     log-probabilities within 0.1, 0.01 on average (measured max 0.029, mean 0.004), and the same top-1
     token at >= 90 % of the positions (measured 97.9 %). (The Gemma-3-shaped Q4_K_M file of the
-    benchmarks, one decode step: max 0.024, mean 0.004.)"""
+    benchmarks, Q5_0 and Q4_K layers, one decode step: max 0.033, mean 0.006.)"""
     kernel = get_kernel()
     if kernel is None or not kernel.int8_activations_supported:
         pytest.skip("no AVX-512 VNNI loop in this build of the GGUF kernel")
