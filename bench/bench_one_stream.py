@@ -1,5 +1,5 @@
 """One chat stream and 4 streams, side by side: Pagoda (GGUF blocks kept), Pagoda with
-`--gguf-int8-activations` (llama.cpp's int8 x for Q5_0 / Q4_K at one row), Pagoda (float32),
+`--gguf-int8-activations` (llama.cpp's int8 x for Q5_0 / Q4_K / Q6_K at one row), Pagoda (float32),
 transformers batch 1, and llama.cpp's server on the same GGUF file.
 
     nice -n 10 .venv/bin/python bench/bench_one_stream.py [--llama-server PATH] [--rounds 1] [--model FILE.gguf ...]

@@ -71,7 +71,7 @@ class GGUFKernel:
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def set_int8_activations(self, on: bool) -> bool:
-        """Opt-in int8 activations (`--gguf-int8-activations`): from now on a Q5_0 or Q4_K matmul against one
+        """Opt-in int8 activations (`--gguf-int8-activations`): from now on a Q5_0, Q4_K or Q6_K matmul against one
         row of x rounds x to int8 per block of 32 and multiplies bytes, as llama.cpp does (faster, not the
         float32 numbers: see gguf_avx512.h); every other type and shape keeps float32 x. Returns
         whether it is in effect (off: this build has no AVX-512 VNNI loop). Process-wide, as the

@@ -189,7 +189,7 @@ def test_unsupported_shapes_and_types_are_refused():
     assert all(kernel.supports(int(t), 512) for t in TYPES)
 
 
-# -- opt-in int8 activations (`--gguf-int8-activations`): Q5_0 and Q4_K against one row of x -------
+# -- opt-in int8 activations (`--gguf-int8-activations`): Q5_0, Q4_K and Q6_K against one row of x
 
 
 @pytest.fixture
@@ -213,7 +213,7 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 127.0).double()).view_as(x)
 
 
-INT8_TYPES = (T.Q5_0, T.Q4_K)  # the types whose one-row matmul takes int8 activations
+INT8_TYPES = (T.Q5_0, T.Q4_K, T.Q6_K)  # the types whose one-row matmul takes int8 activations
 
 
 @pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)
@@ -242,7 +242,7 @@ def test_int8_activations_one_row_is_the_rounded_x_times_the_weight(ggml_type, s
     ids=lambda v: v.name if isinstance(v, T) else str(v),
 )
 def test_int8_activations_leave_other_types_and_rows_to_the_bit(ggml_type, num_rows, int8_x):
-    """Only Q5_0 and Q4_K at one row of x take int8 activations: every other type and row count gives the
+    """Only Q5_0, Q4_K and Q6_K at one row of x take int8 activations: every other type and row count gives the
     bits it gives with them off."""
     packed = torch.from_numpy(packed_weight(ggml_type, 37, 11 if ggml_type in QUANTIZABLE else 2, seed=7))
     in_features = packed.shape[1] // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]

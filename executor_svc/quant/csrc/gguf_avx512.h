@@ -213,7 +213,7 @@ INLINE void group_rows_512(const int type, const uint8_t *restrict w, const int6
 }
 
 #if defined(__AVX512VNNI__)
-/* ---- int8 activations (`--gguf-int8-activations`): Q5_0 and Q4_K against one row of x, llama.cpp's way ----
+/* ---- int8 activations (`--gguf-int8-activations`): Q5_0, Q4_K and Q6_K against one row of x, llama.cpp's way --
  *
  * Opt-in, and the only loops here that change the numbers: x is rounded to int8 per block of 32
  * (scale max|x| / 127, as llama.cpp's Q8_0 activations; the scale kept in float32), and a block's
@@ -223,13 +223,16 @@ INLINE void group_rows_512(const int type, const uint8_t *restrict w, const int6
  * multiplies 16 a register; on AMD's Zen 4, which runs a 512-bit operation as two 256-bit ones,
  * 32 bytes a 256-bit register cost about half the operations. Q4_K the same way, a sub-block of 32
  * 4-bit quants against a block of x, its scale d sc times x's; its min (dmin m) against the sum of
- * the rounded x of the block. Relative error of a product against the float32 one: ~5e-3 (the
+ * the rounded x of the block; Q6_K's 6-bit quants with 16 scales a 256, two a register. Relative
+ * error of a product against the float32 one: ~5e-3 (the
  * bound: tests/kernels/test_gguf_matmul.py). */
 
 /* x [K] -> xq [K] int8, xd [K / 32] (the blocks' scales), xc [K / 32] (-16 times each block's int8 sum: Q5_0's
- * offset) and xs [K / 32] (each block's sum of the rounded x, xd times its int8 sum: Q4_K's mins) */
+ * offset), xs [K / 32] (each block's sum of the rounded x, xd times its int8 sum: Q4_K's mins) and x4 [K / 4]
+ * (-32 times the sum of each 4 int8 x: Q6_K's offset, lane by lane) */
 INLINE void quantize_x_q8(const float *restrict x, const int64_t K, int8_t *restrict xq, float *restrict xd,
-                          int32_t *restrict xc, float *restrict xs) {
+                          int32_t *restrict xc, float *restrict xs, int32_t *restrict x4) {
+    const __m256i ones = _mm256_set1_epi8(1);
     for (int64_t b = 0; b < K / QK; ++b) {
         const float *xb = x + QK * b;
         const __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
@@ -247,6 +250,10 @@ INLINE void quantize_x_q8(const float *restrict x, const int64_t K, int8_t *rest
         const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         xc[b] = -16 * qsum;
         xs[b] = xd[b] * (float)qsum;
+        /* Q6_K's offset, a lane at a time (its sub-blocks of 16 split a block of x): -32 times each 4 x's sum */
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + QK * b));
+        const __m256i sums4 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, xv);
+        _mm256_storeu_si256((__m256i *)(x4 + 8 * b), _mm256_mullo_epi32(sums4, _mm256_set1_epi32(-32)));
     }
 }
 
@@ -269,9 +276,9 @@ INLINE float hsum256(const __m256 v) {
 
 /* Rows [n0, n1) of a Q5_0 W against the int8 row (xq, xd, xc): R rows of W at a time (a constant in
  * each inlined copy), each with its own accumulator. */
-INLINE void tile_q5_0_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t nb, const int8_t *restrict xq,
-                         const float *restrict xd, const int32_t *restrict xc, float *restrict y, const int64_t n,
-                         const int64_t n1, const int R) {
+INLINE void tile_q5_0_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t nb,
+                         const int8_t *restrict xq, const float *restrict xd, const int32_t *restrict xc,
+                         float *restrict y, const int64_t n, const int64_t n1, const int R) {
     __m256 acc[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) prefetch_ahead(w + (n + r) * row_bytes, row_bytes, n + r, n1);
@@ -308,14 +315,60 @@ INLINE void rows_q4_k_q8(const uint8_t *restrict w, const int64_t row_bytes, con
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
                 const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 const int64_t b = b0 + 2 * j;
-                const __m256i dlo = _mm256_dpbusd_epi32(zero, lo, _mm256_loadu_si256((const __m256i *)(xq + QK * b)));
-                const __m256i dhi = _mm256_dpbusd_epi32(zero, hi, _mm256_loadu_si256((const __m256i *)(xq + QK * b + QK)));
+                const __m256i xlo = _mm256_loadu_si256((const __m256i *)(xq + QK * b));
+                const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xq + QK * b + QK));
+                const __m256i dlo = _mm256_dpbusd_epi32(zero, lo, xlo), dhi = _mm256_dpbusd_epi32(zero, hi, xhi);
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_set1_ps(G.scale[2 * j] * xd[b]), acc);
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_set1_ps(G.scale[2 * j + 1] * xd[b + 1]), acc);
             }
             macc = _mm256_fmadd_ps(_mm256_load_ps(G.min), _mm256_loadu_ps(xs + b0), macc);
         }
         y[n] = hsum256(_mm256_add_ps(acc, macc));
+    }
+}
+
+/* Rows [n0, n1) of a Q6_K W against the int8 row: per 256 weights its 16 scales (d sc, one per 16
+ * weights) and four 32-byte registers of 6-bit quants (unsigned, 0-63) a half, each against a block of
+ * x; the -32 offset starts each lane (x4), and the lanes of a register's two sub-blocks take their own
+ * scale. */
+INLINE void rows_q6_k_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t K, const int8_t *restrict xq,
+                         const float *restrict xd, const int32_t *restrict x4, float *restrict y, const int64_t n0,
+                         const int64_t n1) {
+    const int64_t ng = K / QK_K;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m2h = _mm256_set1_epi8(0x0C),
+                  m2hh = _mm256_set1_epi8(0x30);
+    float sc[16] __attribute__((aligned(32)));
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *row = w + n * row_bytes;
+        prefetch_ahead(row, row_bytes, n, n1);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; ++g) {
+            const uint8_t *blk = row + g * 210;
+            const float d = fp16(blk + 208);
+            bytes_times(blk + 192, 1, d, sc);
+            bytes_times(blk + 200, 1, d, sc + 8);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(qh, m2h), 2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, m2hh)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2hh)),
+                };
+                for (int c = 0; c < 4; ++c) {
+                    const int64_t b = g * 8 + 4 * h + c;
+                    const int s0 = 8 * h + 2 * c;
+                    const __m256i dot = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(x4 + 8 * b)), q[c],
+                                                            _mm256_loadu_si256((const __m256i *)(xq + QK * b)));
+                    const __m256 scale = _mm256_set_m128(_mm_set1_ps(sc[s0 + 1] * xd[b]), _mm_set1_ps(sc[s0] * xd[b]));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc);
+                }
+            }
+        }
+        y[n] = hsum256(acc);
     }
 }
 

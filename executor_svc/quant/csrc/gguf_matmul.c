@@ -48,7 +48,7 @@
 #define GGUF_AVX512 0
 #endif
 
-/* AVX-512 VNNI too: Q5_0 and Q4_K against one row of x may take int8 activations (gguf_set_int8_activations). */
+/* AVX-512 VNNI too: Q5_0, Q4_K and Q6_K against one row of x may take int8 activations (gguf_set_int8_activations). */
 #if GGUF_AVX512 && defined(__AVX512VNNI__)
 #define GGUF_VNNI 1
 #else
@@ -79,7 +79,7 @@ typedef struct {
     float *y;
     const int64_t *idx; /* dequantize job: row ids (NULL: rows 0..N-1) */
     int dequant;
-    int q8; /* Q5_0 / Q4_K at one row of x with int8 activations: x quantized into g_xq / g_xd / g_xc / g_xs */
+    int q8; /* Q5_0 / Q4_K / Q6_K at one row of x with int8 activations: x quantized into g_xq ... g_x4 */
     int64_t chunk_rows, chunks;
 } job_t;
 
@@ -90,6 +90,7 @@ static int8_t g_xq[MAX_K];
 static float g_xd[MAX_K / 32];
 static int32_t g_xc[MAX_K / 32];
 static float g_xs[MAX_K / 32];
+static int32_t g_x4[MAX_K / 4];
 #endif
 
 static void dequant_row(const int type, const uint8_t *row, const int64_t K, float *out) {
@@ -152,6 +153,10 @@ INLINE void tiles(const int type, const job_t *j, const int64_t n0, const int64_
     }
     if (type == GGML_Q4_K && j->q8) {
         rows_q4_k_q8(j->w, j->row_bytes, j->K, g_xq, g_xd, g_xs, j->y, n0, n1);
+        return;
+    }
+    if (type == GGML_Q6_K && j->q8) {
+        rows_q6_k_q8(j->w, j->row_bytes, j->K, g_xq, g_xd, g_x4, j->y, n0, n1);
         return;
     }
 #endif
@@ -369,8 +374,8 @@ int gguf_simd(void) { return GGUF_SIMD; }
 /* Whether the types of group_rows take the AVX-512 loop in this build (gguf_avx512.h). */
 int gguf_avx512(void) { return GGUF_AVX512; }
 
-/* Opt-in int8 activations (on != 0): Q5_0 and Q4_K weights against one row of x round x to int8 per
- * block of 32 and multiply bytes (gguf_avx512.h); every other type and shape keeps float32 x. Returns
+/* Opt-in int8 activations (on != 0): Q5_0, Q4_K and Q6_K weights against one row of x round x to int8
+ * per block of 32 and multiply bytes (gguf_avx512.h); every other type and shape keeps float32 x. Returns
  * whether it is in effect (this build has AVX-512 VNNI). */
 int gguf_set_int8_activations(const int on) {
     g_int8_x = GGUF_VNNI && on != 0;
@@ -388,9 +393,9 @@ void gguf_matmul_strided(const int type, const uint8_t *w, const int64_t row_byt
             xs[i] = s;
         }
     }
-    const int q8 = g_int8_x && M == 1 && (type == GGML_Q5_0 || type == GGML_Q4_K);
+    const int q8 = g_int8_x && M == 1 && (type == GGML_Q5_0 || type == GGML_Q4_K || type == GGML_Q6_K);
 #if GGUF_VNNI
-    if (q8) quantize_x_q8(x, K, g_xq, g_xd, g_xc, g_xs);
+    if (q8) quantize_x_q8(x, K, g_xq, g_xd, g_xc, g_xs, g_x4);
 #endif
     g_job = (job_t){.type = type, .w = w, .row_bytes = row_bytes, .K = K, .M = M, .N = N, .ldy = ldy, .x = x, .xs = xs,
                     .y = y, .q8 = q8};
