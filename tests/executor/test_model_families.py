@@ -327,7 +327,7 @@ def test_gguf_int8_activations_quality_bound_at_one_row(tmp_path, default_model_
     if kernel is None or not kernel.int8_activations_supported:
         pytest.skip("no AVX-512 VNNI loop in this build of the GGUF kernel")
     from executor_svc.backend import BackendOptions
-    from tests.executor.plans import PlanBuilder, run_to_completion
+    from tests.executor.test_quantized_runner import _teacher_forced_logprobs
 
     for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
         monkeypatch.setitem(GGUF_TYPES, name, "Q5_0")
@@ -342,17 +342,7 @@ def test_gguf_int8_activations_quality_bound_at_one_row(tmp_path, default_model_
         runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
                              backend=BackendOptions(gguf_int8_activations=int8))
         assert kernel.int8_activations == int8 and runner.backend.decode_step is not None
-        builder = PlanBuilder(block_size=4, num_blocks=64, seed=2)
-        builder.add("t", tokens, max_tokens=1, chunk_sizes=[1])
-        rows: list[torch.Tensor] = []
-
-        def step(plan):
-            result, logits = runner.execute_with_logits(plan)
-            rows.extend(logits.values())
-            return result
-
-        run_to_completion(runner, builder, on_step=step)
-        return torch.cat(rows).log_softmax(-1)
+        return _teacher_forced_logprobs(runner, tokens, chunk_sizes=[1])
 
     try:
         float_x, int8_x = logprobs(False), logprobs(True)

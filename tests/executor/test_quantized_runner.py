@@ -92,9 +92,9 @@ def test_quantization_none_dequantizes_as_transformers(gguf_dir, default_model_d
         assert torch.equal(a[name], b[name]), name
 
 
-def _teacher_forced_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
-    builder = PlanBuilder(block_size=16, num_blocks=runner.num_kv_blocks, seed=5)
-    builder.add("ppl", tokens, max_tokens=1, chunk_sizes=[37, 5, len(tokens)])
+def _teacher_forced_logprobs(runner: ModelRunner, tokens: list[int], chunk_sizes: list[int] | None = None) -> torch.Tensor:
+    builder = PlanBuilder(block_size=runner.block_size, num_blocks=runner.num_kv_blocks, seed=5)
+    builder.add("ppl", tokens, max_tokens=1, chunk_sizes=chunk_sizes or [37, 5, len(tokens)])
     rows: list[torch.Tensor] = []
 
     def step(plan):
