@@ -34,6 +34,7 @@ import ctypes
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from executor_svc.attention.torch_backend import TorchBackend
@@ -76,6 +77,14 @@ def _c_linear(linear: _Linear) -> _CLinear:
     for i, (ggml_type, weight, row_bytes, rows) in enumerate(linear.segments):
         c.type[i], c.weight[i], c.row_bytes[i], c.rows[i] = ggml_type, weight, row_bytes, rows
     return c
+
+
+def _rows(table: torch.Tensor, positions: torch.Tensor, at: int | None) -> torch.Tensor:
+    """The rotary table's rows of the step's positions: at one token (`at`), a view of its row rather than
+    an index_select (a dispatched op, one of several a step)."""
+    if at is not None and 0 <= at < table.shape[0]:
+        return table[at : at + 1]
+    return table.index_select(0, positions)
 
 
 @dataclass(frozen=True)
@@ -151,9 +160,12 @@ class CpuDecodePath:
                 matmul=ctypes.cast(self._gguf_strided, ctypes.c_void_p).value,
                 attend=ctypes.cast(step_attend, ctypes.c_void_p).value, eps=c.rms_norm_eps,
             )
-            self._cache_ptrs = None  # the K/V caches' addresses the layers' structures hold
-        self._embed_scale = getattr(c, "embed_scale", None)
+            self._cache_list, self._cache_ptrs = None, None  # the K/V caches the layers' structures hold
+        scale = getattr(c, "embed_scale", None)  # Gemma's, in the model's dtype as the modules scale it
+        self._embed_scale = None if scale is None else torch.tensor(scale, dtype=model.dtype)
         self._dtype = model.dtype
+        self._buffers: dict[int, tuple] = {}  # per row count: the step's working buffers, reused step after step
+        self._local_rope = any(layer.local_rope for layer in layers)
         # the GGUF kernel's scratch (x's block sums): one call at a time
         self._scratch = torch.empty(max_rows * max(c.hidden_size, c.intermediate_size, c.q_size) // 32, dtype=torch.float32)
 
@@ -249,7 +261,12 @@ class CpuDecodePath:
             start += n
 
     def _layout(self, meta, block_size: int):
-        """(slots, table, lens, group) of a decode-only step the C calls take, or None."""
+        """(slots, table, lens, group) of a decode-only step the C calls take, or None (group: None
+        where the attention runs on the kernel's OpenMP entry, which splits the work itself)."""
+        if self._one_call is not None and self._parts is not None:
+            fast = self.attention.decode_arguments(meta, block_size)
+            if fast is not None:
+                return (*fast, None)
         layout = self.attention.step_layout(meta, block_size)
         if layout.write_rows is not None or len(layout.groups) != 1:
             return None
@@ -264,11 +281,14 @@ class CpuDecodePath:
     def _one_step(self, rows, block_size, kv_bf16, kv_caches, metas, layouts, buffers, tables) -> None:
         """Every layer in one C call (`pagoda_decode_layers`: forward's loop below, call for call)."""
         step = self._c_step
-        ptrs = tuple(t.data_ptr() for kv in kv_caches for t in kv)
-        if ptrs != self._cache_ptrs:
+        # the layers' structures hold the caches' addresses: set again where the caches are not the last step's
+        # (the runner's list, allocated once; its tensors' addresses checked at both ends)
+        ends = (kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr())
+        if kv_caches is not self._cache_list or ends != self._cache_ptrs:
+            ptrs = [t.data_ptr() for kv in kv_caches for t in kv]
             for layer, k_cache, v_cache in zip(self._c_layers, ptrs[::2], ptrs[1::2], strict=True):
                 layer.k_cache, layer.v_cache = k_cache, v_cache
-            self._cache_ptrs = ptrs
+            self._cache_list, self._cache_ptrs = kv_caches, ends
         step.rows, step.block_size, step.kv_bf16 = rows, block_size, kv_bf16
         (step.residual, step.hidden_out, step.normed, step.qkv, step.q, step.attn, step.gate_up, step.act, step.side,
          step.xs, step.scratch) = (0 if b is None else b.data_ptr() for b in buffers)
@@ -276,11 +296,12 @@ class CpuDecodePath:
         step.cos, step.sin = (t.data_ptr() for t in tables[False])
         if True in tables:
             step.local_cos, step.local_sin = (t.data_ptr() for t in tables[True])
-        rows_of = {}
-        for key, (slots, table, lens, _) in layouts.items():
-            rows_of[key] = (slots.data_ptr(), table.data_ptr(), table.stride(0), lens.data_ptr(), lens.shape[0])
-        per_layer = (_i64 * (5 * len(metas)))(*[v for m in metas for v in rows_of[id(m)]])
-        self._one_call(self._c_layers, len(self._c_layers), ctypes.byref(step), per_layer)
+        # each layer's group's (slots, table, table stride, lens, sequences), one row per distinct meta
+        index = {key: i for i, key in enumerate(layouts)}
+        rows_of = np.array([(slots.data_ptr(), table.data_ptr(), table.stride(0), lens.data_ptr(), lens.shape[0])
+                            for slots, table, lens, _ in layouts.values()], dtype=np.int64)
+        per_layer = rows_of[[index[id(m)] for m in metas]]  # [layers, 5], contiguous
+        self._one_call(self._c_layers, len(self._c_layers), ctypes.byref(step), per_layer.ctypes.data)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> tuple | None:
         """(hidden, residual) as the model's forward returns them, or None: this step is not for this path.
@@ -311,23 +332,31 @@ class CpuDecodePath:
 
         embedded = model.embed_tokens(input_ids)
         if self._embed_scale is not None:  # in the model's dtype, as the modules scale it
-            embedded = embedded * torch.tensor(self._embed_scale, dtype=embedded.dtype)
+            embedded = embedded * self._embed_scale
         residual = embedded.float()  # [T, hidden], fresh: it becomes the residual stream
         if not residual.is_contiguous():
             return None
-        tables = {False: (model.rotary_cos.index_select(0, positions), model.rotary_sin.index_select(0, positions))}
-        if any(layer.local_rope for layer in self._layers):
-            tables[True] = (model.local_cos.index_select(0, positions), model.local_sin.index_select(0, positions))
-        hidden = torch.empty(rows, hid)
-        normed = torch.empty(rows, hid)
-        qkv = torch.empty(rows, qkv_width)
-        q = torch.empty(rows, q_size)
-        attn = torch.empty(rows, q_size)
-        gate_up = torch.empty(rows, 2 * inter)
-        act = torch.empty(rows, inter)
-        side = torch.empty(rows, hid) if self.sandwich else None  # a sandwich norm's output
+        at = int(positions[0]) if rows == 1 else None
+        tables = {False: (_rows(model.rotary_cos, positions, at), _rows(model.rotary_sin, positions, at))}
+        if self._local_rope:
+            tables[True] = (_rows(model.local_cos, positions, at), _rows(model.local_sin, positions, at))
+        hidden = torch.empty(rows, hid)  # (fresh, as the residual: both are returned)
         kernel_threads = self._kernel.num_threads
-        scratch = torch.empty(kernel_threads, self._kernel.scratch_floats(c.num_heads, block_size))
+        buffers = self._buffers.get(rows)
+        if buffers is None or buffers[-1].shape[1] < self._kernel.scratch_floats(c.num_heads, block_size):
+            if len(self._buffers) > 8:  # (row counts come and go: keep a few)
+                self._buffers.clear()
+            buffers = self._buffers[rows] = (
+                torch.empty(rows, hid),  # normed
+                torch.empty(rows, qkv_width),
+                torch.empty(rows, q_size),  # q
+                torch.empty(rows, q_size),  # attn
+                torch.empty(rows, 2 * inter),  # gate_up
+                torch.empty(rows, inter),  # act
+                torch.empty(rows, hid) if self.sandwich else None,  # side: a sandwich norm's output
+                torch.empty(kernel_threads, self._kernel.scratch_floats(c.num_heads, block_size)),  # scratch
+            )
+        normed, qkv, q, attn, gate_up, act, side, scratch = buffers
         if self._one_call is not None and rows <= self.max_rows:
             self._one_step(rows, block_size, kv_bf16, kv_caches, metas, layouts, (
                 residual, hidden, normed, qkv, q, attn, gate_up, act, side, self._scratch, scratch), tables)

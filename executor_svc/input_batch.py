@@ -91,7 +91,11 @@ class InputBatch:
         self._width = max(int(max_model_len), 1)
         self._max_blocks = -(-self._width // block_size)
         self.token_ids = np.zeros((initial_rows, self._width), dtype=np.int64)
-        self.block_tables = [np.zeros((initial_rows, self._max_blocks), dtype=np.int32) for _ in self.sliding_windows]
+        # every group's block table in one array [groups, rows, blocks]: a step gathers them all at once
+        self._tables = np.zeros((len(self.sliding_windows), initial_rows, self._max_blocks), dtype=np.int32)
+        # each group's window (full attention: one longer than any position), for the mask of freed blocks
+        self._windows = np.array([np.iinfo(np.int64).max // 4 if w is None else w for w in self.sliding_windows])
+        self._any_window = any(w is not None for w in self.sliding_windows)
         self.num_tokens = np.zeros(initial_rows, dtype=np.int64)
         self.num_computed = np.zeros(initial_rows, dtype=np.int64)
         self.num_blocks = np.zeros(initial_rows, dtype=np.int64)
@@ -99,9 +103,14 @@ class InputBatch:
         self._staging = _Staging(self._pin)
 
     @property
+    def block_tables(self) -> tuple[np.ndarray, ...]:
+        """Each KV cache group's rows (views)."""
+        return tuple(self._tables)
+
+    @property
     def block_table(self) -> np.ndarray:
         """The first (for a model with only full attention, the one) group's rows."""
-        return self.block_tables[0]
+        return self._tables[0]
 
     # -- rows ------------------------------------------------------------------------------
     def add(self, token_ids: list[int], block_ids: tuple[list[int], ...], num_computed: int) -> int:
@@ -131,17 +140,17 @@ class InputBatch:
     def append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
         """Append one list of block ids per KV cache group, all of one length."""
         block_ids = per_group(block_ids)
-        if len(block_ids) != len(self.block_tables) or len({len(ids) for ids in block_ids}) > 1:
+        if len(block_ids) != len(self._tables) or len({len(ids) for ids in block_ids}) > 1:
             raise BatchError(
                 f"block ids for {len(block_ids)} groups of lengths {[len(ids) for ids in block_ids]}: "
-                f"expected {len(self.block_tables)} of one length"
+                f"expected {len(self._tables)} of one length"
             )
         start = int(self.num_blocks[row])
         end = start + len(block_ids[0])
         if end > self._max_blocks:
             raise BatchError(f"{end} blocks: more than max_model_len {self._width} needs ({self._max_blocks})")
-        for table, ids in zip(self.block_tables, block_ids):
-            table[row, start:end] = ids
+        if end > start:
+            self._tables[:, row, start:end] = block_ids
         self.num_blocks[row] = end
 
     def append_token(self, row: int, token_id: int) -> None:
@@ -162,7 +171,7 @@ class InputBatch:
         old = len(self.num_tokens)
         new = 2 * old
         self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
-        self.block_tables = [np.concatenate([table, np.zeros_like(table)]) for table in self.block_tables]
+        self._tables = np.concatenate([self._tables, np.zeros_like(self._tables)], axis=1)
         for name in ("num_tokens", "num_computed", "num_blocks"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(old, dtype=np.int64)]))
         self._free = list(range(new - 1, old - 1, -1)) + self._free
@@ -193,7 +202,7 @@ class InputBatch:
         if ((draft_lens > 0) & (seq_lens != known)).any():
             raise BatchError("drafts scheduled before a request's last token")
 
-        query_start_loc = stage("query_start_loc", num_seqs + 1, torch.int64)
+        query_start_loc = stage("query_start_loc", num_seqs + 1, torch.int32)  # (the attention metadata's dtype)
         if all_decodes := int(query_lens.max()) == 1:  # the common step: one token each
             query_start_loc[:] = np.arange(num_seqs + 1)
             num_tokens = num_seqs
@@ -216,23 +225,21 @@ class InputBatch:
         cols = np.arange(num_cols)
         past_end = cols >= -(-seq_lens // self.block_size)[:, None]
         block_index, offsets = positions // self.block_size, positions % self.block_size
-        block_tables, slot_mappings = [], []
-        for group, (table, window) in enumerate(zip(self.block_tables, self.sliding_windows)):
-            suffix = f".{group}" if group else ""
-            block_table = stage("block_table" + suffix, num_seqs * num_cols, torch.int32).reshape(num_seqs, num_cols)
-            np.take(table[:, :num_cols], rows, axis=0, out=block_table)
-            # Past a sequence's last block: the null block (0), as the attention backends expect
-            # (the rows there may hold blocks allocated ahead, or an earlier owner's); in a
-            # sliding window, also before the window of the first query (freed, stale ids).
-            block_table[past_end] = 0
-            if window is not None:
-                block_table[cols < (np.maximum(starts - window + 1, 0) // self.block_size)[:, None]] = 0
-            slot_mapping = stage("slot_mapping" + suffix, num_tokens, torch.int64)
-            slot_mapping[:] = table[token_rows, block_index]
-            slot_mapping *= self.block_size
-            slot_mapping += offsets
-            block_tables.append(block_table)
-            slot_mappings.append(slot_mapping)
+        groups = self._tables.shape[0]  # every group at once: [groups, seqs, cols] and [groups, tokens]
+        tables = stage("block_tables", groups * num_seqs * num_cols, torch.int32).reshape(groups, num_seqs, num_cols)
+        np.take(self._tables[:, :, :num_cols], rows, axis=1, out=tables)
+        # Past a sequence's last block: the null block (0), as the attention backends expect
+        # (the rows there may hold blocks allocated ahead, or an earlier owner's); in a
+        # sliding window, also before the window of the first query (freed, stale ids).
+        tables[:, past_end] = 0
+        if self._any_window:
+            first_kept = np.maximum(starts[None, :] - self._windows[:, None] + 1, 0) // self.block_size  # [groups, seqs]
+            tables[cols[None, None, :] < first_kept[:, :, None]] = 0
+        slots = stage("slot_mappings", groups * num_tokens, torch.int64).reshape(groups, num_tokens)
+        slots[:] = self._tables[:, token_rows, block_index]
+        slots *= self.block_size
+        slots += offsets
+        block_tables, slot_mappings = tuple(tables), tuple(slots)
 
         seq_lens_out = stage("seq_lens", num_seqs, torch.int32)
         seq_lens_out[:] = seq_lens
@@ -248,10 +255,10 @@ class InputBatch:
             query_lens=query_lens,
             input_ids=input_ids,
             positions=positions,
-            slot_mappings=tuple(slot_mappings),
+            slot_mappings=slot_mappings,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens_out,
-            block_tables=tuple(block_tables),
+            block_tables=block_tables,
             sampled=sampled,
             logits_indices=logits_indices,
         )

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from executor_svc.fused_ops import rows_argmax
 from executor_svc.structured_output import apply_token_bitmask
 from pagoda.step import SamplingParams
 
@@ -74,7 +75,9 @@ class Sampler:
         logits = self._process(logits, rows)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = rows_argmax(logits)  # a few CPU rows of finite values: one C pass each
+            if token_ids is None:
+                token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._draw(logits, rows, greedy)
         return self._output(token_ids, params, logprob_rows, raw_logprobs)

@@ -242,3 +242,55 @@ void pagoda_decode_layers(const pagoda_layer_t *layers, int64_t num_layers, cons
         }
     }
 }
+
+// ---- the sampled rows of a step's logits (a few rows of a vocabulary) ------------------------------------
+// torch's reductions over one row of 49,152 logits cost 20-50 us each a step (isfinite of the sum, argmax),
+// most of it dispatch and waking the OpenMP team; one thread reads the row in a few microseconds. Finiteness
+// is tested on the bits (-ffinite-math-only lets the compiler assume isfinite true).
+
+static inline int all_finite(const float *x, int64_t n) {
+    uint32_t seen = 0;  // the exponent bits: all ones somewhere iff a NaN or an infinity
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, 4);
+        seen |= (bits & 0x7F800000u) == 0x7F800000u;
+    }
+    return !seen;
+}
+
+// finite[t] = 1 where row t of x [rows, n] (rows `stride` floats apart) holds no NaN or infinity
+void pagoda_rows_finite(const float *x, int64_t stride, int64_t rows, int64_t n, uint8_t *finite) {
+    for (int64_t t = 0; t < rows; t++) finite[t] = (uint8_t)all_finite(x + t * stride, n);
+}
+
+// out[t] = the index of the first largest value of row t (torch.argmax's), or -1 where the row holds a NaN or
+// an infinity (the caller asks torch): the largest value of each chunk of 256 (a reduction the compiler
+// vectorises), then the first index holding the largest of those in the first chunk that has it
+#define ARGMAX_CHUNK 256
+static inline float chunk_max(const float *x, int64_t n) {
+    float m = x[0];
+    for (int64_t i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+void pagoda_rows_argmax(const float *x, int64_t stride, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *r = x + t * stride;
+        if (n < 1 || !all_finite(r, n)) {
+            out[t] = -1;
+            continue;
+        }
+        int64_t best_chunk = 0;
+        float top = chunk_max(r, n < ARGMAX_CHUNK ? n : ARGMAX_CHUNK);
+        for (int64_t c = ARGMAX_CHUNK; c < n; c += ARGMAX_CHUNK) {
+            const float m = chunk_max(r + c, n - c < ARGMAX_CHUNK ? n - c : ARGMAX_CHUNK);
+            if (m > top) {
+                top = m;
+                best_chunk = c;
+            }
+        }
+        int64_t i = best_chunk;
+        while (i < n - 1 && r[i] != top) i++;
+        out[t] = i;
+    }
+}

@@ -281,7 +281,13 @@ class FamilyDecoder(nn.Module):
         """Final norm + LM head (+ Gemma 2's soft cap) on the rows `logits_indices`; float32 out."""
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
-        x = self.norm(residual + hidden)
+        norm = self.norm
+        if self.ops is not None and hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+            # the backend's C ops (CPU, float32): one call instead of RMSNorm's eight torch ops
+            weight = 1.0 + norm.weight if norm.gemma else norm.weight  # Gemma's scale 1 + w, in float32 as its norm
+            x, _ = self.ops.add_rms_norm(hidden, residual, weight, norm.eps)
+        else:
+            x = norm(residual + hidden)
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         cap = self.config.final_logit_softcap
         if cap is not None:

@@ -267,6 +267,26 @@ def test_a_decode_only_step_takes_the_short_layout_and_it_equals_the_general_one
     assert torch.equal(got.kernel_lens, want.kernel_lens) and torch.equal(got.block_table, want.block_table)
 
 
+def test_decode_arguments_are_the_short_layouts_tensors_and_decline_what_it_would_change():
+    """`decode_arguments` (the C decode step's fast path) gives the slots, table and lengths that
+    `step_layout` gives for a decode-only step of the kernel's dtypes, and None where the layout
+    would drop a slot (-1), convert a dtype, or where the step is not decode-only."""
+    b = backend(True)
+    meta = make_step([5, 17, 2], [1, 1, 1], 4, 16, 3)
+    meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping.long(), block_table=meta.block_table.int(),
+                               seq_lens=meta.seq_lens.int())
+    slots, table, lens = b.decode_arguments(meta, 4)
+    layout = b.step_layout(meta, 4)
+    (group,) = layout.groups
+    assert layout.write_rows is None and torch.equal(slots, layout.write_slots)
+    assert torch.equal(table, group.block_table) and torch.equal(lens, group.kernel_lens)
+    skipped = dataclasses.replace(meta, slot_mapping=meta.slot_mapping.clone())
+    skipped.slot_mapping[1] = -1
+    assert b.decode_arguments(skipped, 4) is None
+    assert b.decode_arguments(dataclasses.replace(meta, block_table=meta.block_table.long()), 4) is None
+    assert b.decode_arguments(dataclasses.replace(meta, max_query_len=2), 4) is None
+
+
 def test_copy_blocks():
     caches = [torch.randn(10, 4, 2, 8) for _ in range(4)]
     before = [c.clone() for c in caches]

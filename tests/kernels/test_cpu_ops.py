@@ -80,3 +80,31 @@ def test_other_dtypes_take_the_torch_path():
     weight = torch.ones(64, dtype=torch.bfloat16)
     torch.testing.assert_close(OPS.rms_norm(x, weight, 1e-5), torch_ops.rms_norm(x, weight, 1e-5), atol=0, rtol=0)
     torch.testing.assert_close(OPS.silu_and_mul(x), torch_ops.silu_and_mul(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, fused_ops.CPU_OPS_MAX_ROWS])
+@pytest.mark.parametrize("vocab", [1, 17, 256, 49_152 + 5])
+def test_rows_argmax_and_finite_equal_torch(rows, vocab):
+    """The sampled rows' argmax (the first largest value, as torch's) and finiteness in one C pass a row;
+    NaN and infinities are found wherever they are (first, last, a chunk's tail); rows may be strided."""
+    torch.manual_seed(vocab + rows)
+    x = torch.randn(rows, vocab + 3)[:, :vocab]
+    if vocab > 1:  # ties: the first index wins, within a chunk of 256 and across chunks
+        top = x.max() + 1
+        x[0, vocab // 2] = x[0, vocab - 1] = top
+        x[rows - 1, 0] = x[rows - 1, vocab - 1] = top + 1
+    assert fused_ops.rows_argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    assert fused_ops.rows_finite(x) == [True] * rows
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in {0, vocab // 3, vocab - 1}:
+            y = x.clone()
+            y[rows - 1, at] = bad
+            assert fused_ops.rows_finite(y) == [True] * (rows - 1) + [False]
+            assert fused_ops.rows_argmax(y) is None  # torch's answer for such a row is the caller's
+
+
+def test_rows_argmax_and_finite_decline_what_they_do_not_take():
+    assert fused_ops.rows_argmax(torch.randn(fused_ops.CPU_OPS_MAX_ROWS + 1, 8)) is None  # many rows: torch's
+    assert fused_ops.rows_finite(torch.randn(2, 8, dtype=torch.float64)) is None
+    assert fused_ops.rows_argmax(torch.randn(8)) is None
+    assert fused_ops.rows_finite(torch.randn(8, 2).t()) is None  # columns, not rows
