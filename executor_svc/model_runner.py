@@ -120,6 +120,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_sampled + drafts] rows whose logits are sampled
     sampled_req_ids: list[str]  # the requests of those rows, in order (k + 1 rows with k drafts)
     layer_metas: tuple[AttentionMetadata, ...] | None = None  # several groups: each layer's group's
+    every_row_sampled: bool = False  # logits_indices is every row in order (a step of decodes): no gather needed
 
     @property
     def model_meta(self) -> AttentionMetadata | tuple[AttentionMetadata, ...]:
@@ -371,7 +372,8 @@ class ModelRunner:
             per_request = {r: logits_all[bounds[i] : bounds[i + 1]] for i, r in enumerate(inputs.req_ids)}
             logits = logits_all[inputs.logits_indices]
         else:
-            logits = self.model.compute_logits(hidden, residual, inputs.logits_indices)
+            rows = None if inputs.every_row_sampled else inputs.logits_indices
+            logits = self.model.compute_logits(hidden, residual, rows)
         if plan.scheduled_spec_decode_tokens:
             sampled, errors = self.sample_with_drafts(logits, inputs.sampled_req_ids, plan.scheduled_spec_decode_tokens)
         else:
@@ -455,6 +457,7 @@ class ModelRunner:
             logits_indices=to_device(g.logits_indices),
             sampled_req_ids=[req_ids[i] for i in sampled for _ in range(draft_lens[i] + 1)],
             layer_metas=tuple(metas[group] for group in self._group_of_layer) if len(metas) > 1 else None,
+            every_row_sampled=max_query_len == 1 and len(sampled) == len(req_ids),
         )
 
     def sample(self, logits: torch.Tensor, req_ids: list[str]) -> tuple[list[SampledToken], list[RequestError]]:
