@@ -282,8 +282,10 @@ class FamilyDecoder(nn.Module):
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         norm = self.norm
-        if self.ops is not None and hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-            # the backend's C ops (CPU, float32): one call instead of RMSNorm's eight torch ops
+        if (
+            self.ops is not None and hidden.device.type == "cpu"
+            and hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32
+        ):  # the backend's C ops (CPU, float32): one call instead of RMSNorm's eight torch ops
             weight = 1.0 + norm.weight if norm.gemma else norm.weight  # Gemma's scale 1 + w, in float32 as its norm
             x, _ = self.ops.add_rms_norm(hidden, residual, weight, norm.eps)
         else:
