@@ -59,6 +59,7 @@ class GGUFKernel:
         library.gguf_set_threads.argtypes = [_int]
         library.gguf_use_openmp.argtypes = [_int]
         library.gguf_set_int8_activations.argtypes = [_int]
+        library.gguf_set_digit_activations.argtypes = [_int]
         self._lib = library
         library.gguf_max_k.restype = _i64
         self.max_k = library.gguf_max_k()
@@ -67,6 +68,7 @@ class GGUFKernel:
         self.num_threads = library.gguf_set_threads(max(1, num_threads))
         self.int8_activations_supported = bool(library.gguf_set_int8_activations(1))
         self.int8_activations = bool(library.gguf_set_int8_activations(0))
+        self.digit_activations = bool(library.gguf_set_digit_activations(1))
         # one caller at a time (the C side's pool is one job at a time too), so one scratch will do
         self._scratch = torch.empty(0, dtype=torch.float32)
 
@@ -78,6 +80,14 @@ class GGUFKernel:
         kernel is: a Backend sets it from its options."""
         self.int8_activations = bool(self._lib.gguf_set_int8_activations(int(on)))
         return self.int8_activations
+
+    def set_digit_activations(self, on: bool) -> bool:
+        """Whether a Q5_0 matmul against one row of x carries x as three int8 digits a value (22 bits against
+        its block of 32's largest |x|; the products and sums exact in int32: float32-grade, see
+        gguf_avx512.h) rather than widening every weight to a float (the float loop, kept for comparison).
+        On by default where the build has AVX-512 VNNI; returns whether it is in effect. Process-wide."""
+        self.digit_activations = bool(self._lib.gguf_set_digit_activations(int(on)))
+        return self.digit_activations
 
     def supports(self, ggml_type: int, in_features: int) -> bool:
         """Whether rows of `in_features` weights of this GGML type can stay packed (whole blocks a row)."""

@@ -271,3 +271,86 @@ def test_int8_activations_are_refused_by_a_build_without_vnni(avx2_kernel):
     """The AVX2 build has no int8 loop: asking for it leaves float32 x (and the executor refuses the flag at start)."""
     assert not avx2_kernel.int8_activations_supported
     assert not avx2_kernel.set_int8_activations(True)
+
+
+# -- Q5_0 against one row of x, x as three int8 digits (the default where the build has AVX-512 VNNI)
+
+
+@pytest.fixture
+def digits():
+    """The native kernel, whose Q5_0 one-row matmul takes x as digits (skipped where its build has no VNNI loop)."""
+    kernel = get_kernel()
+    if not kernel.digit_activations:
+        pytest.skip("this build has no AVX-512 VNNI loop")
+    yield kernel
+    kernel.set_digit_activations(True)
+
+
+def relative_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> float:
+    """The largest |got - x @ weight.T| (float64) against sum |x w|, output by output."""
+    exact = x.double() @ weight.double().T
+    scale = x.abs().double() @ weight.abs().double().T
+    return ((got.double() - exact).abs() / scale).max().item()
+
+
+@pytest.mark.parametrize("shape", [(37, 3), (129, 5), (256, 20), (40, 64)], ids=str)
+@pytest.mark.parametrize("x_kind", ["normal", "outliers", "tiny", "huge"])
+def test_q5_0_one_row_with_x_as_digits_is_float32_grade(shape, x_kind, digits):
+    """x rounded to 22 bits against the largest |x| of its 4, the products and sums exact in int32: within
+    1e-6 of sum |x w| of the float64 product (measured 3-6e-8 for normal x, 2-3e-7 with outliers; the float
+    loop 2-3e-8 and 1.5-1.7e-7; int8 activations ~5e-3), whatever the scale of x."""
+    rows, blocks = shape
+    packed = packed_weight(T.Q5_0, rows, blocks, seed=rows)
+    weight = torch.from_numpy(quants.dequantize(packed, T.Q5_0))
+    g = torch.Generator().manual_seed(blocks)
+    x = torch.randn(1, weight.shape[1], generator=g)
+    if x_kind == "outliers":  # a few channels far above the rest, as LLM activations have
+        x = x * torch.where(torch.rand(1, weight.shape[1], generator=g) < 0.02, 300.0, 1.0)
+    x = x * {"tiny": 1e-30, "huge": 1e30}.get(x_kind, 1.0)
+    got = digits.matmul(int(T.Q5_0), torch.from_numpy(packed), weight.shape[1], x)
+    assert relative_error(got, x, weight) <= 1e-6
+    digits.set_digit_activations(False)
+    float_loop = digits.matmul(int(T.Q5_0), torch.from_numpy(packed), weight.shape[1], x)
+    assert relative_error(float_loop, x, weight) <= 1e-6
+    assert not torch.equal(got, float_loop)  # (the digits did run)
+
+
+def test_q5_0_digits_keep_zeros_zero_and_non_finite_x_non_finite(digits):
+    """An all-zero x gives exact zeros; a NaN or an infinity gives non-finite outputs, as float32 x does."""
+    packed = torch.from_numpy(packed_weight(T.Q5_0, 9, 4, seed=5))
+    assert torch.equal(digits.matmul(int(T.Q5_0), packed, 128, torch.zeros(1, 128)), torch.zeros(1, 9))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(1, 128, generator=torch.Generator().manual_seed(1))
+        x[0, 70] = bad
+        assert not torch.isfinite(digits.matmul(int(T.Q5_0), packed, 128, x)).any()
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "num_rows"),
+    [(t, m) for t in TYPES for m in (1, 2, 9) if not (t == T.Q5_0 and m == 1)],
+    ids=lambda v: v.name if isinstance(v, T) else str(v),
+)
+def test_digits_leave_other_types_and_rows_to_the_bit(ggml_type, num_rows, digits):
+    """Only Q5_0 at one row of x takes x as digits."""
+    packed = torch.from_numpy(packed_weight(ggml_type, 37, 11 if ggml_type in QUANTIZABLE else 2, seed=7))
+    in_features = packed.shape[1] // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
+    x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(3))
+    on = digits.matmul(int(ggml_type), packed, in_features, x)
+    digits.set_digit_activations(False)
+    assert torch.equal(on, digits.matmul(int(ggml_type), packed, in_features, x))
+
+
+def test_int8_activations_take_precedence_over_digits(int8_x):
+    """With `--gguf-int8-activations` a Q5_0 one-row matmul is the int8 loop's, digits on or off."""
+    packed = torch.from_numpy(packed_weight(T.Q5_0, 37, 3, seed=2))
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(4))
+    on = int8_x.matmul(int(T.Q5_0), packed, 96, x)
+    int8_x.set_digit_activations(False)
+    off = int8_x.matmul(int(T.Q5_0), packed, 96, x)
+    int8_x.set_digit_activations(True)
+    assert torch.equal(on, off)
+
+
+def test_a_build_without_vnni_keeps_the_float_loop(avx2_kernel):
+    assert not avx2_kernel.digit_activations
+    assert not avx2_kernel.set_digit_activations(True)

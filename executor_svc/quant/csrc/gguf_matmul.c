@@ -7,7 +7,9 @@
  * Supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (llama.cpp's block
  * layouts: gguf_blocks.h) and I8_ROW, Pagoda's own int8 layout for `--quantization int8`.
  * The numbers are those of the dequantized weight (as the `gguf` package computes it) times x,
- * in float32; only the summation order differs. With AVX2 + FMA + F16C (gguf_avx2.h) every
+ * in float32; only the summation order differs (Q5_0 against one row of x, where the CPU has AVX-512
+ * VNNI: x carried as integers of 22 bits a value, float32-grade, see gguf_avx512.h; and the opt-in
+ * int8 activations, which are not). With AVX2 + FMA + F16C (gguf_avx2.h) every
  * type is fused, blocks against x without a float copy of the weight, in tiles of 1-4 and of 8
  * rows of x; with AVX-512 F/BW/VL too, Q5_0, Q5_1 and the K-quants take a 512-bit loop
  * (gguf_avx512.h) in tiles of 1-8 rows. Without AVX2 (another CPU, or a compiler without those
@@ -80,17 +82,22 @@ typedef struct {
     const int64_t *idx; /* dequantize job: row ids (NULL: rows 0..N-1) */
     int dequant;
     int q8; /* Q5_0 / Q4_K / Q6_K at one row of x with int8 activations: x quantized into g_xq ... g_x4 */
+    int d3; /* Q5_0 at one row of x, x as three int8 digits (g_xd3, g_xsc, g_xoff): the default where VNNI */
     int64_t chunk_rows, chunks;
 } job_t;
 
-/* The int8 activations of the job in flight (one caller at a time), and whether they are asked for. */
-static int g_int8_x;
+/* The int8 activations of the job in flight (one caller at a time), and whether they are asked for; whether
+ * a Q5_0 matmul at one row of x takes x as digits (digits_x in gguf_avx512.h: on unless switched off). */
+static int g_int8_x, g_digits_x = 1;
 #if GGUF_VNNI
 static int8_t g_xq[MAX_K];
 static float g_xd[MAX_K / 32];
 static int32_t g_xc[MAX_K / 32];
 static float g_xs[MAX_K / 32];
 static int32_t g_x4[MAX_K / 4];
+static int8_t g_xd3[3 * MAX_K];
+static float g_xsc[MAX_K / 4];
+static int32_t g_xoff[MAX_K / 4];
 #endif
 
 static void dequant_row(const int type, const uint8_t *row, const int64_t K, float *out) {
@@ -149,6 +156,10 @@ INLINE void tiles(const int type, const job_t *j, const int64_t n0, const int64_
 #if GGUF_VNNI
     if (type == GGML_Q5_0 && j->q8) {
         rows_q5_0_q8(j->w, j->row_bytes, j->K, g_xq, g_xd, g_xc, j->y, n0, n1);
+        return;
+    }
+    if (type == GGML_Q5_0 && j->d3) {
+        rows_q5_0_d3(j->w, j->row_bytes, j->K, g_xd3, g_xsc, g_xoff, j->y, n0, n1);
         return;
     }
     if (type == GGML_Q4_K && j->q8) {
@@ -382,6 +393,13 @@ int gguf_set_int8_activations(const int on) {
     return g_int8_x;
 }
 
+/* Q5_0 against one row of x with x as three int8 digits (on != 0, the default; off: the float loop
+ * rows_512_1, for comparison). Returns whether it is in effect (this build has AVX-512 VNNI). */
+int gguf_set_digit_activations(const int on) {
+    g_digits_x = GGUF_VNNI && on != 0;
+    return g_digits_x;
+}
+
 /* y[m * ldy + n] = (x[M][K] @ dequant(W)[N][K].T)[m][n]; xs: scratch of M * K / 32 floats. */
 void gguf_matmul_strided(const int type, const uint8_t *w, const int64_t row_bytes, const int64_t N, const int64_t K,
                          const float *x, const int64_t M, float *xs, float *y, const int64_t ldy) {
@@ -393,12 +411,15 @@ void gguf_matmul_strided(const int type, const uint8_t *w, const int64_t row_byt
             xs[i] = s;
         }
     }
-    const int q8 = g_int8_x && M == 1 && (type == GGML_Q5_0 || type == GGML_Q4_K || type == GGML_Q6_K);
+    /* (x's integer forms live in arrays of MAX_K values: a longer row keeps float32 x) */
+    const int q8 = g_int8_x && M == 1 && K <= MAX_K && (type == GGML_Q5_0 || type == GGML_Q4_K || type == GGML_Q6_K);
+    const int d3 = !q8 && g_digits_x && M == 1 && K <= MAX_K && type == GGML_Q5_0;
 #if GGUF_VNNI
     if (q8) quantize_x_q8(x, K, g_xq, g_xd, g_xc, g_xs, g_x4);
+    if (d3) digits_x(x, K, g_xd3, g_xsc, g_xoff);
 #endif
     g_job = (job_t){.type = type, .w = w, .row_bytes = row_bytes, .K = K, .M = M, .N = N, .ldy = ldy, .x = x, .xs = xs,
-                    .y = y, .q8 = q8};
+                    .y = y, .q8 = q8, .d3 = d3};
     run_job(M * K);
 }
 
