@@ -83,7 +83,7 @@ class GGUFKernel:
 
     def set_digit_activations(self, on: bool) -> bool:
         """Whether a Q5_0 matmul against one row of x carries x as three int8 digits a value (22 bits against
-        its block of 32's largest |x|; the products and sums exact in int32: float32-grade, see
+        the largest |x| of each 4 values; the products and sums exact in int32: float32-grade, see
         gguf_avx512.h) rather than widening every weight to a float (the float loop, kept for comparison).
         On by default where the build has AVX-512 VNNI; returns whether it is in effect. Process-wide."""
         self.digit_activations = bool(self._lib.gguf_set_digit_activations(int(on)))
