@@ -43,18 +43,6 @@ INLINE void prefetch_ahead(const uint8_t *row, const int64_t row_bytes, const in
     }
 }
 
-/* Q5_0 against one row of x (gguf_avx512.h): the row FAR_ROWS ahead asked into L2 as well. Measured in
- * a decode step of a Gemma 3-shaped Q4_K_M file (its Q5_0 matmuls: 63 M weights a token, streamed from
- * memory at ~16 GB/s, below what the loops compute from cache): 2.74-2.76 -> 2.62-2.70 ms a step with the
- * float loop, 2.32-2.41 with x as digits, where without it the digits gained nothing there. */
-#define FAR_ROWS 64
-INLINE void prefetch_far(const uint8_t *row, const int64_t row_bytes, const int64_t n, const int64_t n1) {
-    if (n + FAR_ROWS < n1) {
-        const uint8_t *ahead = row + FAR_ROWS * row_bytes;
-        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(ahead + o), _MM_HINT_T1);
-    }
-}
-
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
