@@ -88,7 +88,7 @@ typedef struct {
 
 /* The int8 activations of the job in flight (one caller at a time), and whether they are asked for; whether
  * a Q5_0 matmul at one row of x takes x as digits (digits_x in gguf_avx512.h: on unless switched off). */
-static int g_int8_x, g_digits_x = 1;
+static int g_int8_x, g_digits_x = GGUF_VNNI;
 #if GGUF_VNNI
 static int8_t g_xq[MAX_K];
 static float g_xd[MAX_K / 32];
