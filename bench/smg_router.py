@@ -5,7 +5,9 @@ Pagoda schedulers, for the router tests (tests/router) and bench/bench_router.py
         httpx.post(f"{router.url}/v1/completions", json={...})
 
 It binds 127.0.0.1 (the router's own default is every address), its metrics port too, and
-waits until every worker is healthy in the router's view (GET /workers).
+waits until every worker is healthy in the router's view (GET /workers) and the router has
+registered the tokenizer of every worker's model (GET /v1/tokenizers): it loads tokenizers in a
+background job after a worker turns ready, and until then answers 503 "not registered yet".
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ class SmgRouter:
         with urllib.request.urlopen(f"{self.url}/workers", timeout=5) as reply:
             return json.loads(reply.read())["workers"]
 
+    def tokenizers(self) -> set[str]:
+        """Names of the models whose tokenizer the router has registered (GET /v1/tokenizers)."""
+        with urllib.request.urlopen(f"{self.url}/v1/tokenizers", timeout=5) as reply:
+            return {t["name"] for t in json.loads(reply.read())["tokenizers"]}
+
+    def ready(self) -> bool:
+        healthy = [w for w in self.workers() if w.get("is_healthy") and w.get("status") == "ready"]
+        if len(healthy) < len(self.worker_urls):
+            return False
+        return {w["model_id"] for w in healthy} <= self.tokenizers()
+
     def worker(self, port: int) -> dict:
         (found,) = [w for w in self.workers() if w["url"].endswith(f":{port}")]
         return found
@@ -58,14 +71,13 @@ class SmgRouter:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"smg exited {self.proc.returncode}:\n{self.logs()}")
             try:
-                healthy = [w for w in self.workers() if w.get("is_healthy") and w.get("status") == "ready"]
-                if len(healthy) == len(self.worker_urls):
+                if self.ready():
                     return self
             except OSError:
                 pass
             time.sleep(0.3)
         self.__exit__()
-        raise TimeoutError(f"smg did not see {len(self.worker_urls)} healthy workers:\n{self.logs()}")
+        raise TimeoutError(f"smg did not see {len(self.worker_urls)} healthy workers and their tokenizers:\n{self.logs()}")
 
     def logs(self, tail: int = 6000) -> str:
         return self.log.read_text(errors="replace")[-tail:] if self.log.exists() else ""

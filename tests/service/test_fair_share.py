@@ -6,6 +6,13 @@ RESOURCE_EXHAUSTED past its share (--max-requests-per-tenant) and never anything
 bystander, another tenant, is never refused, gets transformers' greedy tokens, and its requests
 take at most twice as long as on the quiet server. Quiet and flooded rounds alternate and their
 medians are compared, so a machine busy with other work slows both sides alike.
+
+The executor runs one thread, leaving a core to the scheduler (and to the flooder, which here
+shares the service's 2 cores, as no real attacker would): with two OpenMP threads spinning at
+barriers on cores the scheduler needs for the flood's refusals (~1,200 a second, ~0.3 ms of
+scheduler CPU each), the ratio measured the oversubscription, not the admission policy. On
+2 cores, side by side: 2 threads 1.88-2.01x (GOMP_SPINCOUNT 3000, the executor's default),
+1.46-1.55x (1000), 1.09-1.35x (300); 1 thread 1.11-1.53x (4 runs).
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ def test_one_tenant_floods_and_another_keeps_its_latency(tiny, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text(f"{FLOODER} flooder\n{BYSTANDER} bystander\n")
     args = ["--api-key-file", str(keys), "--max-requests-per-tenant", str(SHARE), "--max-num-seqs", "8"]
-    with Service(model=str(model_dir), scheduler_args=args, executor_args=["--num-kv-blocks", "256"], api_key=BYSTANDER) as svc:
+    with Service(model=str(model_dir), scheduler_args=args, executor_args=["--num-kv-blocks", "256", "--num-threads", "1"], api_key=BYSTANDER) as svc:
         bystander = svc.stub
         bystander_latency(bystander, expected)  # warm
         quiet, flooded, floods = [], [], []
