@@ -113,10 +113,6 @@ class ExecutorLink:
         # connection one beat. So a peer can make the scheduler hold at most this many frames
         # of at most max_message_bytes each, however many it sends.
         self._sock.setsockopt(zmq.RCVHWM, RECV_HIGH_WATER_MARK)
-        # The same socket without futures: a message already queued is read, and a plan sent, in
-        # a plain call (~3 us) instead of a future and its event-loop turns (~27 us for the two
-        # frames of a result); only an empty queue or a full pipe is awaited.
-        self._now = zmq.Socket.shadow(self._sock.underlying)
         if keys is not None:
             # The ZAP handler must be up before the socket binds: libzmq lets a CURVE client in
             # unchecked when no handler answers on inproc://zeromq.zap.01.
@@ -148,17 +144,12 @@ class ExecutorLink:
         `recv_multipart` would gather every frame of a message first: ZMQ_MAXMSGSIZE bounds each
         frame, not their number. Frames past the payload are read and thrown away one by one.
         """
-        try:
-            first = self._now.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            first = await self._sock.recv()
-        conn = first.decode(errors="replace")
+        conn = (await self._sock.recv()).decode(errors="replace")
         payload, extra = b"", 0
-        # A message's frames arrive together (ZeroMQ queues whole messages): the rest are here.
-        if self._now.rcvmore:
-            payload = self._now.recv(zmq.NOBLOCK)
-        while self._now.rcvmore:
-            self._now.recv(zmq.NOBLOCK)
+        if self._sock.rcvmore:
+            payload = await self._sock.recv()
+        while self._sock.rcvmore:
+            await self._sock.recv()
             extra += 1
         return conn, payload, extra
 
@@ -222,12 +213,8 @@ class ExecutorLink:
 
     async def send(self, executor_id: str, msg: pb.SchedulerMessage) -> bool:
         """False when the executor is not connected (ZeroMQ cannot route to it)."""
-        frames = [executor_id.encode(), msg.SerializeToString()]
         try:
-            try:
-                self._now.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:  # the executor's pipe is full: wait for room, as before
-                await self._sock.send_multipart(frames)
+            await self._sock.send_multipart([executor_id.encode(), msg.SerializeToString()])
             return True
         except zmq.ZMQError as exc:
             log.warning("cannot reach executor %s: %s", executor_id, exc)
