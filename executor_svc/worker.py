@@ -43,6 +43,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pagoda import link_security, wire
+from pagoda.gc_heap import freeze_startup_heap
 from pagoda.link_security import LinkKeys
 from pagoda.step import MAX_ERROR_MESSAGE_CHARS
 from pagoda.v1 import executor_pb2 as pb
@@ -100,6 +101,7 @@ class Worker:
             if config is None:
                 return 0 if self._drain_signalled else 1
             self._runner = self._runner_factory(config)
+            freeze_startup_heap("executor")
             heartbeat.start()
             while True:
                 if not self._register(config):

@@ -14,6 +14,7 @@ import zmq
 
 from pagoda import link_security, model_files
 from pagoda.cli import StartupError, add_bool_flag, add_flag, env_name, run_main
+from pagoda.gc_heap import freeze_startup_heap
 from scheduler_svc import auth
 from scheduler_svc.core import SpeculativeConfig
 from scheduler_svc.engine import Engine, EngineConfig
@@ -254,6 +255,7 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
         raise
     engine.start()
     await server.start()
+    freeze_startup_heap("scheduler")
     log.info(
         "serving pagoda.v1.Generation and vllm.grpc.engine.VllmEngine on %s:%d (%s, %s); executors connect to %s (%s)",
         args.host, port, "TLS" + (" with client certificates" if args.ssl_ca_certs else "") if credentials else "plaintext",

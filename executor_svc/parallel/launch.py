@@ -33,6 +33,7 @@ from executor_svc.parallel.group import ProcessGroupTP, Rendezvous
 from executor_svc.parallel.runner import FollowerRunner, LeaderRunner
 from executor_svc.parallel.sharding import check_split
 from executor_svc.parallel.watchdog import Watchdog
+from pagoda.gc_heap import freeze_startup_heap
 from pagoda.model_files import gguf_source
 from pagoda.v1 import executor_pb2 as pb
 
@@ -140,7 +141,9 @@ def run_group(
             if data[:1] != b"C":
                 return 0
             config = pb.ExecutorConfig.FromString(data[1:])
-            return FollowerRunner(group, model_dir, **runner_options(config, device)).serve()
+            follower = FollowerRunner(group, model_dir, **runner_options(config, device))
+            freeze_startup_heap(f"executor rank {rdv.rank}")
+            return follower.serve()
         leader: list[LeaderRunner] = []
 
         def make_runner(config: pb.ExecutorConfig) -> LeaderRunner:
