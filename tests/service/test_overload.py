@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from tests.service.harness import Service, collect, greedy_request
+from tests.service.harness import Service, collect, frozen_client_heap, greedy_request
 from tests.service.test_tiny_models import build_tiny
 
 
@@ -36,7 +36,7 @@ def _status(svc, req, timeout=120) -> grpc.StatusCode:
 
 def test_a_flood_is_shed_and_the_admitted_stream_keeps_its_pace(tiny_dir):
     args = ["--max-waiting-requests", "4", "--max-num-seqs", "2"]
-    with Service(model=str(tiny_dir), scheduler_args=args, executor_args=["--num-kv-blocks", "256"]) as svc:
+    with Service(model=str(tiny_dir), scheduler_args=args, executor_args=["--num-kv-blocks", "256"]) as svc, frozen_client_heap():
         baseline = max(_gaps(svc, [1, 50, 51], 120))
         statuses: list[grpc.StatusCode] = []
         waiting_seen: list[int] = []
