@@ -38,7 +38,6 @@ from scheduler_svc.core import Request, Scheduler, SchedulerConfig
 
 DTYPES = (torch.float32, torch.bfloat16)
 GREEDY = SamplingParams(temperature=0.0)
-LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def alternate(fns: dict, repeat: int) -> dict:
@@ -57,12 +56,14 @@ def alternate(fns: dict, repeat: int) -> dict:
 
 def bench_linears(runner: ModelRunner, rows_list: list[int], repeat: int) -> list[list]:
     layer = runner.model.layers[0]
+    linears = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+               "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
     out = []
     for rows in rows_list:
         fns = {}
         for dtype in DTYPES:
-            xs = {n: torch.randn(rows, getattr(layer, n).in_features).to(dtype) for n in LINEARS}
-            fns[dtype] = lambda xs=xs: [getattr(layer, n)(xs[n]) for n in LINEARS]
+            xs = {n: torch.randn(rows, m.in_features).to(dtype) for n, m in linears.items()}
+            fns[dtype] = lambda xs=xs: [m(xs[n]) for n, m in linears.items()]
         with torch.inference_mode():
             best = alternate(fns, repeat)
         f32, b16 = best[torch.float32] * 1e3, best[torch.bfloat16] * 1e3

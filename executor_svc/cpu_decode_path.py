@@ -161,7 +161,7 @@ class CpuDecodePath:
                 attend=ctypes.cast(step_attend, ctypes.c_void_p).value, eps=c.rms_norm_eps,
             )
             self._cache_list, self._cache_ptrs = None, None  # the K/V caches the layers' structures hold
-        scale = getattr(c, "embed_scale", None)  # Gemma's, in the model's dtype as the modules scale it
+        scale = c.embed_scale  # Gemma's, in the model's dtype as the modules scale it
         self._embed_scale = None if scale is None else torch.tensor(scale, dtype=model.dtype)
         self._dtype = model.dtype
         self._buffers: dict[int, tuple] = {}  # per row count: the step's working buffers, reused step after step
@@ -174,12 +174,12 @@ class CpuDecodePath:
         """The path for `model` through `attention`'s decode kernel and the C ops of `library`
         (`fused_ops.cpu_ops_library()`), or None where some part of it is not what the C calls expect.
 
-        Llama-family models (`DecoderModel`) and the dense families of `FamilyDecoder` whose layers
-        the C ops cover: Qwen3 (q/k norms), Phi-3 (merged projections as stored), Gemma 3 (Gemma's
-        1 + w norms as float32 weights, sandwich norms, GeGLU, the embedding scale, its sliding
-        layers' own rotary tables). Declined at build: mixture-of-experts layers, attention soft
-        caps (Gemma 2), partial rotary, biases. A sliding layer's attention reads its window's keys
-        only (the decode kernel's `window`), as the modules' do.
+        Every dense family whose layers the C ops cover: Llama, Mistral, Qwen2, Qwen3 (q/k norms),
+        Phi-3 (merged projections as stored), Gemma 3 (Gemma's 1 + w norms as float32 weights,
+        sandwich norms, GeGLU, the embedding scale, its sliding layers' own rotary tables).
+        Declined at build: mixture-of-experts layers, attention soft caps (Gemma 2), partial
+        rotary, biases. A sliding layer's attention reads its window's keys only (the decode
+        kernel's `window`), as the modules' do.
 
         A bfloat16 model (`--dtype bfloat16`) takes it too, computing in float32 as a float32 model
         does (its GGUF linears run the same float32 kernel at these row counts; the norm weights are
@@ -187,26 +187,20 @@ class CpuDecodePath:
         rounds them: its decode steps are then as fast as float32's, slightly more precise than its
         modules (which round every activation to bfloat16), within the bound `tests/executor/test_bf16.py` checks.
         """
-        from executor_svc.models.layers import FamilyDecoder, GatedMLP
+        from executor_svc.model import GatedMLP
 
         c = model.config
-        family = type(model) is FamilyDecoder
-        if type(model) is not DecoderModel and not family:
+        if type(model) is not DecoderModel:
             return None
         if (
             library is None or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16)
             or model.tp.size != 1 or model.rotary_cos.dtype != torch.float32
             or not isinstance(attention, TorchBackend) or attention.decode_kernel is None
             or c.head_dim % 2 or c.num_heads % c.num_kv_heads or max_rows < 1
-        ):
-            return None
-        if family and (
-            c.attn_logit_softcap is not None or c.rotary_dim not in (None, c.head_dim)
+            or c.attn_logit_softcap is not None or c.rotary_dim not in (None, c.head_dim)
             or c.hidden_act not in ("silu", "gelu_pytorch_tanh", "gelu_tanh")
         ):
             return None
-        sandwich = family and c.sandwich_norms
-        gemma = family and c.gemma_norm
         shapes = (  # (in, out) of q/k/v, o, gate/up, down
             (c.hidden_size, c.q_size + 2 * c.kv_size), (c.q_size, c.hidden_size),
             (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size),
@@ -215,31 +209,31 @@ class CpuDecodePath:
 
         def norm_ptr(norm) -> int:
             w = norm.weight.detach().float()
-            w = (1.0 + w) if gemma else w.contiguous()  # Gemma's scale 1 + w, added in float32 as its norm does
+            w = (1.0 + w) if c.gemma_norm else w.contiguous()  # Gemma's scale 1 + w, added in float32 as its norm does
             kept.append(w)
             return w.data_ptr()
 
         layers = []
         for layer in model.layers:
-            attn, mlp = (layer.self_attn, layer.mlp) if family else (layer, layer)
-            if family and type(mlp) is not GatedMLP:
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(mlp) is not GatedMLP:
                 return None
             linears = [_linear(getattr(owner, name)) for owner, name in
                        ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj"))]
             if any(x is None or (x.in_features, x.out_features) != shape for x, shape in zip(linears, shapes)):
                 return None
             names = ["input_layernorm", "post_attention_layernorm"]
-            if sandwich:
+            if c.sandwich_norms:
                 names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
             norms = tuple(norm_ptr(getattr(layer, name)) for name in names)
-            qk = (norm_ptr(attn.q_norm), norm_ptr(attn.k_norm)) if family and c.qk_norm else None
+            qk = (norm_ptr(attn.q_norm), norm_ptr(attn.k_norm)) if c.qk_norm else None
             layers.append(_Layer(
-                *linears, norms=norms, qk_norms=qk, gelu=family and c.hidden_act != "silu",
-                local_rope=family and layer.local_rope, window=layer.sliding_window or 0,
+                *linears, norms=norms, qk_norms=qk, gelu=c.hidden_act != "silu",
+                local_rope=layer.local_rope, window=layer.sliding_window or 0,
                 scale=attn.scale,
             ))
-        log.info("CPU decode path: %d layers as C calls (%s, %s)", len(layers), type(model).__name__, model.dtype)
-        return cls(model, attention, library, layers, max_rows, kept, sandwich)
+        log.info("CPU decode path: %d layers as C calls (%s, %s)", len(layers), c.architecture, model.dtype)
+        return cls(model, attention, library, layers, max_rows, kept, c.sandwich_norms)
 
     def _matmul(self, linear: _Linear, x: torch.Tensor, rows: int, y: torch.Tensor) -> None:
         """y [rows, out] = x [rows, in] @ W.T (float32 buffers). Up to `max_rows` rows: the fused

@@ -1,11 +1,10 @@
-"""Load a Hugging Face directory (config.json + *.safetensors) into a `DecoderModel`.
+"""Load a Hugging Face directory (config.json + *.safetensors) into the `DecoderModel`.
 
 Only the config is read through transformers (`AutoConfig`, local directory, no hub);
 weights are streamed tensor by tensor from safetensors straight into the model's
 parameters, on the target device and dtype. No transformers model is instantiated.
 A directory that stands for a GGUF file (`pagoda.model_files.gguf_source`), or the file
-itself, is read by `executor_svc.quant.gguf_loader` (Llama family) or `executor_svc.models.gguf`
-(the others): its blocks kept (`quantization="gguf"`) or dequantized as transformers does
+itself, is read by `executor_svc.models.gguf`: its blocks kept (`quantization="gguf"`) or dequantized as transformers does
 (`"none"`). `"int8"` then requantizes every linear layer (`executor_svc.quant.int8_linear`).
 
 Supported: the families of `executor_svc.models` (`SUPPORTED_ARCHITECTURES`), each reading
@@ -13,10 +12,7 @@ its config and placing its tensors; RoPE types whose inverse frequencies do not 
 the sequence length (default, linear, llama3, yarn). Sliding windows (Mistral, Qwen2/3
 `layer_types`, Gemma 2/3) are kept: `ModelConfig.layer_types`, one KV cache group per window.
 
-Llama-family checkpoint names map onto the merged projections::
-
-    model.layers.N.self_attn.{q,k,v}_proj.{weight,bias}  ->  layers.N.qkv_proj  rows [q | k | v]
-    model.layers.N.mlp.{gate,up}_proj.weight             ->  layers.N.gate_up_proj rows [gate | up]
+Checkpoint names map onto the decoder's merged projections (`executor_svc.model.weight_target`).
 """
 
 from __future__ import annotations
@@ -24,21 +20,18 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 from safetensors import safe_open
 
-from executor_svc.model import ModelConfig
+from executor_svc.model import DecoderModel, ModelConfig
 from executor_svc.models import BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES, family  # noqa: F401 (re-exported)
 from pagoda.model_files import gguf_source
-
-if TYPE_CHECKING:
-    from executor_svc.model import DecoderModel
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "gguf", "int8")
+# the families that int8 and tensor parallelism have been checked on (against transformers)
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -99,8 +92,7 @@ def load_model(
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise UnsupportedModelError(f"quantization {quantization!r} runs on the CPU in {names}, not {device} {dtype}")
     config = load_config(model_dir)
-    llama_family = type(config) is ModelConfig  # the others: executor_svc.models.layers.FamilyDecoder
-    if not llama_family and (quantization == "int8" or (tp is not None and tp.size > 1)):
+    if config.architecture not in LLAMA_FAMILY and (quantization == "int8" or (tp is not None and tp.size > 1)):
         raise UnsupportedModelError(f"{config.architecture}: int8 and tensor parallelism are for Llama-family models only")
     read = None
     if tp is not None and tp.size > 1:
@@ -113,14 +105,10 @@ def load_model(
 
         shards = TensorShards(config, tp.rank, tp.size)  # refuses a model that does not split
         config, read = shards.local_config, shards.read
-    if gguf_file is not None and not llama_family:
-        from executor_svc.models.gguf import load_family_gguf
+    if gguf_file is not None:
+        from executor_svc.models.gguf import load_gguf
 
-        model = load_family_gguf(gguf_file, config, device, dtype, keep_blocks=quantization == "gguf")
-    elif gguf_file is not None:
-        from executor_svc.quant.gguf_loader import load_gguf_model
-
-        model = load_gguf_model(gguf_file, config, device, dtype, keep_blocks=quantization == "gguf")
+        model = load_gguf(gguf_file, config, device, dtype, keep_blocks=quantization == "gguf")
     else:
         with torch.device("meta"):
             model = family(config.architecture).build(config, dtype=dtype, tp=tp)
@@ -187,35 +175,6 @@ def fill_parameters(model: torch.nn.Module, tensors, source: str) -> None:
     missing = [name for name, param in params.items() if filled[name] != param.numel()]
     if missing:
         raise UnsupportedModelError(f"checkpoint {source} does not fill {len(missing)} tensors, e.g. {missing[:3]}")
-
-
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-def _target(name: str, config: ModelConfig) -> tuple[str, int | None] | None:
-    """Map a checkpoint tensor name to (parameter name, first row or None for the whole tensor)."""
-    if name.endswith("rotary_emb.inv_freq"):
-        return None
-    if name.startswith("lm_head."):
-        return None if config.tie_word_embeddings else (name, None)
-    parts = name.removeprefix("model.").split(".")
-    if parts[0] != "layers":
-        return ".".join(parts), None  # embed_tokens.weight, norm.weight
-    layer, rest = parts[1], parts[2:]  # e.g. ["self_attn", "q_proj", "weight"] or ["input_layernorm", "weight"]
-    if len(rest) == 3 and rest[1] in _STACKED:
-        merged, index = _STACKED[rest[1]]
-        if merged == "qkv_proj":
-            offsets = (0, config.q_size, config.q_size + config.kv_size)
-        else:
-            offsets = (0, config.intermediate_size)
-        return f"layers.{layer}.{merged}.{rest[2]}", offsets[index]
-    return f"layers.{layer}.{'.'.join(rest[-2:])}", None
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -1,17 +1,36 @@
-"""A Llama-family decoder over a flat, unpadded batch of tokens.
+"""The decoder every family runs on, over a flat, unpadded batch of tokens.
 
     input_ids [T], positions [T]  ->  hidden states [T, hidden]   (one row per scheduled token)
     compute_logits(hidden, residual, logits_indices)  ->  [len(logits_indices), vocab] float32
 
-The final norm and the LM head run only on the rows that are sampled. q/k/v and gate/up
-are merged projections (one matmul each); the elementwise ops (RMSNorm, residual add +
-RMSNorm, rotary, SiLU-and-mul) are the small functions of `ModelOps`, so fused kernels
-can replace them without touching the model. Attention goes through an
-`AttentionBackend`, which also writes this step's K and V into the paged cache.
+One `DecoderModel` built from the layers below: a family file (`executor_svc/models/`) reads its
+Hugging Face config into a `ModelConfig` -- the Llama shape plus the switches of the other
+families (Gemma's norms and soft caps, q/k norms, partial rotary, experts) -- and the decoder
+builds from it. The final norm and the LM head run only on the rows that are sampled. q/k/v and
+gate/up are merged projections (one matmul each); the elementwise ops (RMSNorm, residual add +
+RMSNorm, rotary, SiLU-and-mul) are the small functions of `ModelOps`, so fused kernels (C on a
+CPU, Triton on CUDA) replace them without touching the model, wherever a layer computes what
+they compute (Llama's norm, whole-head rotary, SwiGLU); Gemma's norms, partial rotary and GeGLU
+stay torch. Attention goes through an `AttentionBackend`, which also writes this step's K and V
+into the paged cache. The checkpoint's names map onto the merged projections (`weight_target`),
+experts onto one tensor per expert kind::
+
+    model.layers.N.self_attn.{q,k,v}_proj      -> layers.N.self_attn.qkv_proj   rows [q | k | v]
+    model.layers.N.self_attn.qkv_proj (Phi-3)  -> the same, already merged
+    model.layers.N.mlp.{gate,up}_proj          -> layers.N.mlp.gate_up_proj     rows [gate | up]
+    model.layers.N.mlp.experts.E.{gate,up}_proj (Qwen3-MoE),
+    model.layers.N.block_sparse_moe.experts.E.{w1,w3} (Mixtral)
+                                               -> layers.N.mlp.experts_gate_up[E] rows [gate | up]
+    ...experts.E.down_proj / w2                -> layers.N.mlp.experts_down[E]
+
+A layer returns (hidden, residual), their sum the layer's output: the next norm adds them
+(one fused call where the ops are fused).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +43,7 @@ from executor_svc.attention.base import AttentionBackend, AttentionMetadata
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder, read once from config.json."""
+    """The shape of a decoder, read once from config.json: Llama's, plus what the other families change."""
 
     architecture: str
     vocab_size: int
@@ -46,6 +65,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # per layer "full_attention" / "sliding_attention" (transformers' names); None: every layer full
     layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (GeGLU)
+    gemma_norm: bool = False  # RMSNorm scale 1 + w, multiplied in float32 (Gemma)
+    qk_norm: bool = False  # RMSNorm over head_dim of q and k before rotary (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms after attention and before/after the MLP (Gemma 2/3)
+    embed_scale: float | None = None  # Gemma: sqrt(hidden_size), in the model's dtype
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcap: float | None = None  # Gemma 2
+    final_logit_softcap: float | None = None  # Gemma 2
+    local_inv_freq: tuple[float, ...] | None = None  # sliding layers' RoPE (Gemma 3's local base)
+    local_rope_attention_scaling: float = 1.0
+    rotary_dim: int | None = None  # partial rotary (Phi-3): the first rotary_dim of head_dim
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    sparse_layers: tuple[bool, ...] | None = None  # which layers' MLP is the MoE block
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -164,66 +199,206 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    """oneDNN packs float32 weights on any x86 CPU, bfloat16 ones only where it has bfloat16 arithmetic
+    (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX: not on an AVX2-only CPU, where the reorder raises)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    """Llama's (`weight * normed.to(dtype)`) or Gemma's (`(normed * (1 + weight)).to(dtype)`, float32).
+
+    `norm` and `add_norm` take the model's ops: Llama's norm is theirs (fused where they are),
+    Gemma's is this module's own."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
+        self.gemma = gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+    def norm(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        return self(x) if self.gemma else ops.rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); (norm(x), x) without a residual."""
+        if residual is None:
+            return self.norm(x, ops), x
+        if self.gemma:
+            residual = x + residual
+            return self(residual), residual
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rotary(q, k, cos, sin, rotary_dim: int | None, ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary on the first `rotary_dim` of head_dim (all of it when None: the ops'); the rest passes."""
+    if rotary_dim is None or rotary_dim == q.shape[-1]:
+        return ops.apply_rotary(q, k, cos, sin)
+    q_rot, k_rot = apply_rotary(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
+    return torch.cat((q_rot, q[..., rotary_dim:]), dim=-1), torch.cat((k_rot, k[..., rotary_dim:]), dim=-1)
+
+
+def activation(name: str):
+    if name == "silu":
+        return F.silu
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ValueError(f"activation {name!r}")
+
+
+class Attention(nn.Module):
+    """q/k/v (one matmul), q/k norms, rotary, paged attention, o_proj (row-parallel: one all-reduce)."""
+
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, sliding_window: int | None, tp: TensorParallel) -> None:
+        super().__init__()
+        self.config = c
+        self.sliding_window = sliding_window
+        self.tp = tp
+        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias, dtype=dtype)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.gemma_norm)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.gemma_norm)
+        self.scale = c.attn_scale if c.attn_scale is not None else c.head_dim**-0.5
+        self.options = {}  # the attention backend's keywords of this layer
+        if sliding_window is not None:
+            self.options["sliding_window"] = sliding_window
+        if c.attn_logit_softcap is not None:
+            self.options["logits_soft_cap"] = c.attn_logit_softcap
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, attention: AttentionBackend, ops: ModelOps):
+        c = self.config
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split((c.q_size, c.kv_size, c.kv_size), dim=-1)
+        q = q.view(num_tokens, c.num_heads, c.head_dim)
+        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, k, cos, sin, c.rotary_dim, ops)
+        out = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **self.options)
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, c.q_size)))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu, the ops') or GeGLU (gelu, tanh approximation);
+    down_proj row-parallel (one all-reduce)."""
+
+    def __init__(self, c: ModelConfig, intermediate_size: int, dtype: torch.dtype, tp: TensorParallel) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * intermediate_size, bias=c.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype)
+        self.silu = c.hidden_act == "silu"
+        self.act = activation(c.hidden_act)
+
+    def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        if self.silu:
+            h = ops.silu_and_mul(self.gate_up_proj(x))
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            h = self.act(gate) * up
+        return self.tp.all_reduce(self.down_proj(h))
+
+
+class SparseMoE(nn.Module):
+    """Router softmax (float32) -> top-k -> renormalised if `norm_topk_prob`; then the experts.
+
+    Two routes to the same numbers: the Triton fused-MoE kernel (`kernels.fused_moe`: two grouped
+    GEMM launches over the tokens sorted by expert, fp32 accumulation) or the expert loop (one
+    matmul pair per expert hit, weighted, summed in expert order). `fused` picks: None (the
+    default) takes the kernel for CUDA tensors when Triton is installed, the loop otherwise;
+    True or False forces one (True on CPU tensors runs the kernel in Triton's interpreter).
+    """
+
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, fused: bool | None = None) -> None:
+        super().__init__()
+        self.config = c
+        self.fused = fused
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False, dtype=dtype)
+        inter = c.moe_intermediate_size
+        self.experts_gate_up = nn.Parameter(torch.empty(c.num_experts, 2 * inter, c.hidden_size, dtype=dtype))
+        self.experts_down = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, inter, dtype=dtype))
+        self.act = activation(c.hidden_act)
+
+    def forward(self, x: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
+        c = self.config
+        router_logits = self.gate(x)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        top_weights, top_experts = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        if self.fused if self.fused is not None else x.is_cuda and _triton_installed():
+            from kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.experts_gate_up, self.experts_down, top_weights, top_experts, c.hidden_act)
+        top_weights = top_weights.to(router_logits.dtype)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(top_experts).tolist():
+            token_ids, slot = torch.where(top_experts == expert)
+            gate, up = F.linear(x[token_ids], self.experts_gate_up[expert]).chunk(2, dim=-1)
+            h = F.linear(self.act(gate) * up, self.experts_down[expert])
+            out.index_add_(0, token_ids, h * top_weights[token_ids, slot, None])
+        return out
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, sliding_window: int | None = None) -> None:
+    """Norm, attention, norm, MLP (dense or experts); Gemma's sandwich norms around both."""
+
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, index: int, tp: TensorParallel) -> None:
         super().__init__()
-        c = config
         self.config = c
-        self.sliding_window = sliding_window
-        self.tp = tp  # row-parallel o_proj and down_proj: one all-reduce each
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype)
-        self.scale = c.head_dim**-0.5
+        self.sliding_window = c.layer_windows[index]
+        # Gemma 3: a sliding layer's own RoPE, even where its window covers every position
+        self.local_rope = c.local_inv_freq is not None and c.layer_types is not None and c.layer_types[index] == "sliding_attention"
+        self.self_attn = Attention(c, dtype, self.sliding_window, tp)
+        sparse = c.sparse_layers is not None and c.sparse_layers[index]
+        self.mlp = SparseMoE(c, dtype) if sparse else GatedMLP(c, c.intermediate_size, dtype, tp)
+        norm = lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.gemma_norm)  # noqa: E731
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        if c.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        attention: AttentionBackend,
-        ops: ModelOps,
+        self, hidden, residual, cos, sin, kv_cache, meta: AttentionMetadata, attention: AttentionBackend, ops: ModelOps
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        num_tokens = hidden.shape[0]
-        if residual is None:
-            residual = hidden
-            hidden = ops.rms_norm(hidden, self.input_layernorm.weight, c.rms_norm_eps)
-        else:
-            hidden, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, c.rms_norm_eps)
-        q, k, v = self.qkv_proj(hidden).split((c.q_size, c.kv_size, c.kv_size), dim=-1)
-        q, k = ops.apply_rotary(
-            q.view(num_tokens, c.num_heads, c.head_dim), k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin
-        )
-        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-        if self.sliding_window is None:
-            attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        else:
-            attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding_window=self.sliding_window)
-        hidden = self.tp.all_reduce(self.o_proj(attn.reshape(num_tokens, c.q_size)))
-        hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, c.rms_norm_eps)
-        hidden = self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))))
-        return hidden, residual
+        hidden, residual = self.input_layernorm.add_norm(hidden, residual, ops)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta, attention, ops)
+        if self.config.sandwich_norms:
+            residual = residual + self.post_attention_layernorm(hidden)
+            hidden = self.mlp(self.pre_feedforward_layernorm(residual), ops)
+            return self.post_feedforward_layernorm(hidden), residual
+        hidden, residual = self.post_attention_layernorm.add_norm(hidden, residual, ops)
+        return self.mlp(hidden, ops), residual
+
+
+def rotary_tables(inv_freq: tuple[float, ...], scaling: float, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, len(inv_freq)] in float32, as transformers computes them."""
+    freq = torch.tensor(inv_freq, dtype=torch.float32, device=device)
+    positions = torch.arange(max_positions, device=device, dtype=torch.int64).float()
+    freqs = positions[:, None] * freq[None, :]
+    return freqs.cos() * scaling, freqs.sin() * scaling
 
 
 class DecoderModel(nn.Module):
-    """Embedding, decoder layers, final norm and LM head (tied to the embedding or not).
+    """Embedding (scaled for Gemma), decoder layers, final norm and LM head (tied to the embedding
+    or not; soft-capped for Gemma 2).
 
     Under tensor parallelism (`tp`) the embedding and the LM head hold the rank's
     `vocab_size // tp.size` rows; `config.vocab_size` stays the whole vocabulary.
@@ -240,17 +415,19 @@ class DecoderModel(nn.Module):
         self.config = config
         self.ops = ops or ModelOps()
         self.tp = tp or TensorParallel()
+        if self.tp.size > 1 and config.num_experts:
+            raise ValueError(f"{config.architecture}: no tensor parallelism for mixture-of-experts layers")
         vocab_rows = config.vocab_size // self.tp.size
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, self.tp, window) for window in config.layer_windows)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, i, self.tp) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, config.gemma_norm)
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, vocab_rows, bias=False, dtype=dtype)
         )
-        self.register_buffer("rotary_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rotary_sin", torch.empty(0), persistent=False)
+        for name in ("rotary_cos", "rotary_sin", "local_cos", "local_sin"):
+            self.register_buffer(name, torch.empty(0), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -261,13 +438,22 @@ class DecoderModel(nn.Module):
         return self.norm.weight.device
 
     def init_buffers(self) -> None:
-        """Rotary tables [max_position_embeddings, head_dim // 2] in float32, as transformers computes them."""
+        """Rotary tables [max_position_embeddings, rotary_dim // 2] in float32 (and the sliding layers' own)."""
         c = self.config
-        inv_freq = torch.tensor(c.inv_freq, dtype=torch.float32, device=self.device)
-        positions = torch.arange(c.max_position_embeddings, device=self.device, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]
-        self.rotary_cos = freqs.cos() * c.rope_attention_scaling
-        self.rotary_sin = freqs.sin() * c.rope_attention_scaling
+        self.rotary_cos, self.rotary_sin = rotary_tables(c.inv_freq, c.rope_attention_scaling, c.max_position_embeddings, self.device)
+        if c.local_inv_freq is not None:
+            self.local_cos, self.local_sin = rotary_tables(
+                c.local_inv_freq, c.local_rope_attention_scaling, c.max_position_embeddings, self.device
+            )
+
+    def projections(self):
+        """(owner, attribute) of every dense projection: q/k/v, o, gate/up, down of each layer."""
+        for layer in self.layers:
+            yield layer.self_attn, "qkv_proj"
+            yield layer.self_attn, "o_proj"
+            if isinstance(layer.mlp, GatedMLP):
+                yield layer.mlp, "gate_up_proj"
+                yield layer.mlp, "down_proj"
 
     def pack_for_cpu(self) -> None:
         """Replace every projection and the LM head by a `PackedLinear` (see `can_pack_for_cpu`).
@@ -275,11 +461,10 @@ class DecoderModel(nn.Module):
         A tied LM head gets its own packed copy of the embedding (which lookups still read).
         Layers held some other way (quantized) are left as they are.
         """
-        for layer in self.layers:
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                linear = getattr(layer, name)
-                if type(linear) is nn.Linear:
-                    setattr(layer, name, PackedLinear(linear.weight, linear.bias))
+        for owner, name in self.projections():
+            linear = getattr(owner, name)
+            if type(linear) is nn.Linear:
+                setattr(owner, name, PackedLinear(linear.weight, linear.bias))
         if self.lm_head is None or type(self.lm_head) is nn.Linear:
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head = PackedLinear(head, None)
@@ -296,21 +481,69 @@ class DecoderModel(nn.Module):
 
         `meta`: one for every layer, or one per layer (each layer's KV cache group's).
         """
+        c = self.config
         layer_metas = meta if isinstance(meta, tuple) else (meta,) * len(self.layers)
         hidden = vocab_parallel_embed(self.embed_tokens, input_ids, self.tp)
+        if c.embed_scale is not None:
+            hidden = hidden * torch.tensor(c.embed_scale, dtype=hidden.dtype)
+        tables = (self.rotary_cos.index_select(0, positions), self.rotary_sin.index_select(0, positions))
+        local = None
+        if c.local_inv_freq is not None:
+            local = (self.local_cos.index_select(0, positions), self.local_sin.index_select(0, positions))
         residual = None
-        cos, sin = self.rotary_cos.index_select(0, positions), self.rotary_sin.index_select(0, positions)
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, layer_metas, strict=True):
+            cos, sin = local if layer.local_rope else tables
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, layer_meta, attention, self.ops)
         return hidden, residual
 
     def compute_logits(
         self, hidden: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Final norm + LM head on the rows `logits_indices` (all rows when None); float32 out."""
+        """Final norm + LM head (+ Gemma 2's soft cap) on the rows `logits_indices` (all rows when None); float32 out."""
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
-        hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
-        if self.lm_head is None:
-            return self.tp.gather_logits(F.linear(hidden, self.embed_tokens.weight).float())
-        return self.tp.gather_logits(self.lm_head(hidden).float())
+        norm = self.norm
+        if not norm.gemma:
+            x, _ = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        elif hidden.device.type == "cpu" and hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+            # the ops' one call (C on a CPU) instead of RMSNorm's eight torch ops; Gemma's scale 1 + w, in float32 as its norm
+            x, _ = self.ops.add_rms_norm(hidden, residual, 1.0 + norm.weight, norm.eps)
+        else:
+            x = norm(residual + hidden)
+        logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
+        logits = self.tp.gather_logits(logits)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_EXPERT = {"gate_proj": ("experts_gate_up", 0), "up_proj": ("experts_gate_up", 1), "down_proj": ("experts_down", None),
+           "w1": ("experts_gate_up", 0), "w3": ("experts_gate_up", 1), "w2": ("experts_down", None)}
+
+
+def weight_target(name: str, config: ModelConfig):
+    """(parameter name, where) for a checkpoint tensor, None to skip it; `where` is None (the whole
+    parameter), a first row, or (expert, first row or None) -- see the module docstring."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name.startswith("lm_head."):
+        return None if config.tie_word_embeddings else (name, None)
+    parts = name.removeprefix("model.").split(".")
+    if parts[0] != "layers":
+        return ".".join(parts), None
+    layer, rest = parts[1], parts[2:]
+    if rest[0] == "block_sparse_moe":
+        rest = ["mlp", *rest[1:]]
+    if rest[0] == "mlp" and rest[1] == "experts":  # mlp.experts.E.proj.weight
+        merged, half = _EXPERT[rest[3]]
+        row = None if half is None else half * config.moe_intermediate_size
+        return f"layers.{layer}.mlp.{merged}", (int(rest[2]), row)
+    if len(rest) == 3 and rest[1] in _STACKED:
+        merged, index = _STACKED[rest[1]]
+        owner = "self_attn" if merged == "qkv_proj" else "mlp"
+        offsets = (0, config.q_size, config.q_size + config.kv_size) if merged == "qkv_proj" else (0, config.intermediate_size)
+        return f"layers.{layer}.{owner}.{merged}.{rest[2]}", offsets[index]
+    return f"layers.{layer}.{'.'.join(rest)}", None

@@ -2,9 +2,9 @@
 
 Each family is one module with a `FAMILY`: how its config is read (`read_config`, from
 transformers' config object), the model class built from it (`build`) and where each
-checkpoint tensor goes (`weight_target`). Llama, Mistral and Qwen2 are `executor_svc.model`'s
-`DecoderModel` (the fused-op and CPU decode paths); the others are `layers.FamilyDecoder`
-with their own switches. Adding a family is a module here and a line below.
+checkpoint tensor goes (`weight_target`). Every family builds `executor_svc.model`'s one
+`DecoderModel` (the fused-op and CPU decode paths) with its own switches of `ModelConfig`.
+Adding a family is a module here and a line below.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 
+from executor_svc.model import DecoderModel, ModelConfig
+from executor_svc.model import weight_target as text_weight_target
 from executor_svc.models import ModelFamily
 from executor_svc.models.hf_config import base_fields, check_activation, rope, unsupported
-from executor_svc.models.layers import FamilyConfig, FamilyDecoder
-from executor_svc.models.layers import weight_target as text_weight_target
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "m
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-def read_config(hf, architecture: str) -> FamilyConfig:
+def read_config(hf, architecture: str) -> ModelConfig:
     top = hf
     if architecture == MULTIMODAL:
         log.info("%s: serving the text model only; images are not served (vision tower skipped)", architecture)
@@ -43,7 +43,7 @@ def read_config(hf, architecture: str) -> FamilyConfig:
     local_inv_freq, local_scaling, local_dim = rope(hf, head_dim, "sliding_attention")
     if dim != head_dim or local_dim != head_dim:
         raise unsupported("partial rotary is not supported for Gemma 3")
-    return FamilyConfig(
+    return ModelConfig(
         **fields,
         inv_freq=inv_freq,
         rope_attention_scaling=scaling,
@@ -59,7 +59,7 @@ def read_config(hf, architecture: str) -> FamilyConfig:
     )
 
 
-def weight_target(name: str, config: FamilyConfig):
+def weight_target(name: str, config: ModelConfig):
     """The text model's target (`layers.weight_target`) of a checkpoint tensor; a multimodal
     checkpoint's language-model names are read as the text model's, its vision weights skipped."""
     if name.startswith(_VISION_PREFIXES):
@@ -70,4 +70,4 @@ def weight_target(name: str, config: FamilyConfig):
     return text_weight_target(name, config)
 
 
-FAMILY = ModelFamily(read_config, FamilyDecoder, weight_target)
+FAMILY = ModelFamily(read_config, DecoderModel, weight_target)

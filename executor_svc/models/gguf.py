@@ -1,13 +1,14 @@
-"""A GGUF file of a non-Llama family into a `FamilyDecoder`: architectures qwen3, qwen3moe, phi3,
-gemma2, gemma3, and "llama" with experts (Mixtral, as llama.cpp writes it).
+"""A GGUF file into the `DecoderModel`: architectures llama (Llama, Mistral, and Mixtral with its
+experts, as llama.cpp writes them), qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3.
 
-Llama-family files (llama, mistral, qwen2) go through `executor_svc.quant.gguf_loader` (and the
-CPU decode path); the MoE files' config is read from their metadata (`models.gguf_config`).
-Here, as there, with `keep_blocks` every projection whose parts all have a
+The file is read with the `gguf` package's reader (memory-mapped); the MoE files' config is read
+from their metadata (`models.gguf_config`), the others' by transformers.
+With `keep_blocks` every projection whose parts all have a
 type the kernel supports becomes a `GGUFLinear` (q/k/v one module, a segment per run of equal
 types; Phi-3's `attn_qkv` and gate/up `ffn_up` as stored), the token embedding a
 `GGUFEmbedding` (rows dequantized as looked up) and, when tied, the LM head is the same blocks.
-Everything else -- norms, F32/F16 tensors, unsupported types, or all of it without
+No float copy of a kept weight is ever made: the projections are swapped out while the model is
+still on the meta device. Everything else -- norms, F32/F16 tensors, unsupported types, or all of it without
 `keep_blocks` -- is dequantized (the `gguf` package's `dequantize`, as transformers' own GGUF
 loading) into float parameters by its Hugging Face name, placed by the safetensors loader's
 `fill_parameters`. What follows llama.cpp's converter, as transformers undoes it:
@@ -16,8 +17,9 @@ loading) into float parameters by its Hugging Face name, placed by the safetenso
 - Gemma's `ffn_norm` is the norm before the MLP, `post_attention_norm` / `post_ffw_norm` the
   norms after attention and the MLP; elsewhere `ffn_norm` is Llama's post-attention norm;
 - Phi-3's `attn_qkv` and `ffn_up` are the merged projections as its checkpoint stores them;
-- q/k rows are permuted in "llama" files only (Mixtral): undone as `quant.gguf_loader` does, on
-  whole rows (byte rows for blocks); the other architectures' rows are kept as stored;
+- q/k rows are permuted in "llama" files only (`unpermute_qk`, as transformers'
+  `LlamaTensorProcessor`): undone on whole rows, which for packed blocks are byte rows (blocks
+  run along the input dimension); the other architectures' rows are kept as stored;
 - experts are 3-D tensors `blk.N.ffn_{gate,up,down}_exps` [experts, out, in] and the router
   `ffn_gate_inp`: each expert's slice goes to `SparseMoE.experts_gate_up` / `experts_down`,
   dequantized (each tensor once); only the attention projections keep their blocks.
@@ -33,15 +35,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from executor_svc.models.gguf_config import is_moe_gguf
 from executor_svc.quant.gguf_linear import GGUFLinear, install_kept, packed_rows
-from executor_svc.quant.gguf_loader import unpermute_qk
 
 log = logging.getLogger(__name__)
 
-# the GGUF architectures read here (and "llama" files with experts); what their tensors are
-# called (the name map of llama.cpp's converter)
-ARCHITECTURES = ("qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+# the GGUF architectures read here; what their tensors are called (the name map of llama.cpp's converter)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 _LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -81,9 +80,18 @@ def projections(arch: str) -> dict[tuple[str, str], tuple[str, ...]]:
     }
 
 
+def unpermute_qk(name: str, rows: np.ndarray, config) -> np.ndarray:
+    """The rows of a "llama" file's tensor `name` in transformers' order: llama.cpp's converter
+    permutes q and k (and their biases) per head; any other tensor is returned as it is."""
+    if ".attn_q." not in name and ".attn_k." not in name:
+        return rows
+    heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+    half = rows.shape[0] // heads // 2  # as transformers' LlamaTensorProcessor._reverse_permute_weights
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
 def read_gguf(path: Path):
-    """(the file's reader, its architecture); an architecture not of `ARCHITECTURES` (or a "llama"
-    file without experts) is refused."""
+    """(the file's reader, its architecture); an architecture not of `ARCHITECTURES` is refused."""
     from gguf import GGUFReader
 
     from executor_svc.loader import UnsupportedModelError
@@ -91,10 +99,8 @@ def read_gguf(path: Path):
     reader = GGUFReader(str(path))
     field = reader.fields["general.architecture"]
     arch = bytes(field.parts[field.data[0]]).decode()
-    if arch not in ARCHITECTURES and not is_moe_gguf(reader):
-        raise UnsupportedModelError(
-            f"{path.name}: GGUF architecture {arch!r} (expected one of {ARCHITECTURES}, or 'llama' with experts)"
-        )
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"{path.name}: GGUF architecture {arch!r} (expected one of {ARCHITECTURES})")
     return reader, arch
 
 
@@ -130,9 +136,9 @@ def hf_tensors(path: Path, reader, arch: str, config, skip: frozenset[str] = fro
             raise UnsupportedModelError(f"GGUF tensor {t.name} has no place in a {arch} model")
 
 
-def load_family_gguf(path: Path, config, device: torch.device, dtype: torch.dtype, keep_blocks: bool = False):
-    """The family's model on `device` in `dtype`, filled from the GGUF file: with `keep_blocks` (CPU,
-    float32) its projections, embedding and LM head in their blocks where the kernel takes them, the
+def load_gguf(path: Path, config, device: torch.device, dtype: torch.dtype, keep_blocks: bool = False):
+    """The decoder on `device` in `dtype`, filled from the GGUF file: with `keep_blocks` (CPU,
+    float32 or bfloat16) its projections, embedding and LM head in their blocks where the kernel takes them, the
     rest (all of it without) dequantized."""
     from executor_svc.loader import fill_parameters, weight_bytes
     from executor_svc.models import family
@@ -176,7 +182,7 @@ def load_family_gguf(path: Path, config, device: torch.device, dtype: torch.dtyp
         parts = [tensors[n] for n in names]
         return GGUFLinear(kernel, in_features, segments(parts, arch, config), bias), names + (biases if has_bias else [])
 
-    # FamilyDecoder reads lm_head when it is set: a tied head is the embedding's blocks
+    # the decoder reads lm_head when it is set: a tied head is the embedding's blocks
     consumed = install_kept(model, kept, linear_of, config.tie_word_embeddings, dtype)
     fill_parameters(model, hf_tensors(path, reader, arch, config, frozenset(consumed)), str(path))
     log.info(

@@ -31,11 +31,6 @@ from pathlib import Path
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-def is_moe_gguf(reader) -> bool:
-    """A qwen3moe file, or a "llama" file with experts (Mixtral)."""
-    return _is_moe(_value(reader, "general.architecture"), _value(reader, "llama.expert_count"))
-
-
 def _is_moe(arch: str | None, llama_expert_count: int | None) -> bool:
     return arch == "qwen3moe" or (arch == "llama" and (llama_expert_count or 0) > 0)
 

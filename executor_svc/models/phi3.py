@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
+from executor_svc.model import DecoderModel, ModelConfig, weight_target
 from executor_svc.models import ModelFamily
 from executor_svc.models.hf_config import base_fields, check_activation, rope_fields
-from executor_svc.models.layers import FamilyConfig, FamilyDecoder, weight_target
 
 
-def read_config(hf, architecture: str) -> FamilyConfig:
+def read_config(hf, architecture: str) -> ModelConfig:
     fields = base_fields(hf, architecture, qkv_bias=False, o_bias=False)
     fields["mlp_bias"] = False
-    return FamilyConfig(**fields, **rope_fields(hf, fields["head_dim"]), hidden_act=check_activation(hf, "silu"))
+    return ModelConfig(**fields, **rope_fields(hf, fields["head_dim"]), hidden_act=check_activation(hf, "silu"))
 
 
-FAMILY = ModelFamily(read_config, FamilyDecoder, weight_target)
+FAMILY = ModelFamily(read_config, DecoderModel, weight_target)

@@ -3,18 +3,18 @@ MoE block of `num_experts` experts, top `num_experts_per_tok`, renormalised if `
 
 from __future__ import annotations
 
+from executor_svc.model import DecoderModel, ModelConfig, weight_target
 from executor_svc.models import ModelFamily
 from executor_svc.models.hf_config import base_fields, check_activation, rope_fields
-from executor_svc.models.layers import FamilyConfig, FamilyDecoder, weight_target
 
 
-def read_config(hf, architecture: str) -> FamilyConfig:
+def read_config(hf, architecture: str) -> ModelConfig:
     fields = base_fields(hf, architecture)
     step, dense = hf.decoder_sparse_step, set(getattr(hf, "mlp_only_layers", None) or ())
     sparse = tuple(
         i not in dense and hf.num_experts > 0 and (i + 1) % step == 0 for i in range(hf.num_hidden_layers)
     )
-    return FamilyConfig(
+    return ModelConfig(
         **fields,
         **rope_fields(hf, fields["head_dim"]),
         hidden_act=check_activation(hf, "silu"),
@@ -27,4 +27,4 @@ def read_config(hf, architecture: str) -> FamilyConfig:
     )
 
 
-FAMILY = ModelFamily(read_config, FamilyDecoder, weight_target)
+FAMILY = ModelFamily(read_config, DecoderModel, weight_target)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor_svc.model import can_pack_for_cpu
 from executor_svc.quant.gguf_kernel import GGUFKernel
 
 # Above this many rows of x, dequantize + GEMM beats the fused kernel (measured on 2 cores, AVX2,
@@ -101,7 +102,7 @@ class GGUFLinear(nn.Module):
         as the product (`bench/bench_bf16.py --parts linears`). The packed copy gives the same
         outputs (`bf16_weight.to_dense()` is the plain copy)."""
         weight = self.dequantize().to(torch.bfloat16)
-        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        if can_pack_for_cpu(weight.device, torch.bfloat16):
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
         del self._buffers["bf16_weight"]  # a plain attribute: an opaque oneDNN tensor has no storage to count
         self.bf16_weight = weight

@@ -36,11 +36,10 @@ def int8_linear(kernel: GGUFKernel, weight: torch.Tensor, bias: torch.Tensor | N
 
 def quantize_linears(model: DecoderModel, kernel: GGUFKernel) -> None:
     """Replace every float projection and the LM head (tied: a copy of the embedding) by int8 ones."""
-    for layer in model.layers:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            linear = getattr(layer, name)
-            if type(linear) is nn.Linear and kernel.supports(I8_ROW, linear.in_features):
-                setattr(layer, name, int8_linear(kernel, linear.weight, linear.bias))
+    for owner, name in model.projections():
+        linear = getattr(owner, name)
+        if type(linear) is nn.Linear and kernel.supports(I8_ROW, linear.in_features):
+            setattr(owner, name, int8_linear(kernel, linear.weight, linear.bias))
     head = model.embed_tokens.weight if model.lm_head is None else getattr(model.lm_head, "weight", None)
     if head is not None and kernel.supports(I8_ROW, head.shape[1]):
         model.lm_head = int8_linear(kernel, head, None)

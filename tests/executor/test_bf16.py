@@ -86,7 +86,8 @@ def test_bf16_keeps_gguf_blocks_and_a_bf16_kv_cache(bf16_runner):
     assert bf16_runner.kv_cache_dtype == torch.bfloat16
     assert bf16_runner.kv_caches[0][0].dtype == torch.bfloat16
     layer = bf16_runner.model.layers[0]
-    assert all(isinstance(getattr(layer, n), GGUFLinear) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    assert all(isinstance(m, GGUFLinear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert layer.input_layernorm.weight.dtype == torch.bfloat16
     assert 85 * 2**20 < bf16_runner.weight_bytes < 100 * 2**20  # the Q4_1 blocks, no bfloat16 copy
 
@@ -95,7 +96,7 @@ def test_bf16_keeps_gguf_blocks_and_a_bf16_kv_cache(bf16_runner):
 def test_gguf_linear_bf16_is_the_bf16_product(bf16_runner, rows):
     """Both routes of a bfloat16 x: bfloat16 out, equal to the float32 product of the same numbers
     to bfloat16 rounding (the GEMM route rounds the weight to bfloat16, as transformers holds it)."""
-    linear = bf16_runner.model.layers[3].gate_up_proj
+    linear = bf16_runner.model.layers[3].mlp.gate_up_proj
     assert linear.bf16_fused_max_rows == BF16_FUSED_MAX_ROWS  # one dequantization tile
     assert bf16_runner.model.lm_head.bf16_fused_max_rows > BF16_FUSED_MAX_ROWS  # several: fused longer
     x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()

@@ -85,11 +85,12 @@ def hf_weights(mixed_file) -> dict[str, torch.Tensor]:
 def test_every_block_type_stays_packed_in_segments_of_one_type(mixed_file):
     model = load_model(mixed_file, torch.device("cpu"), torch.float32, "gguf")
     first, second = model.layers
-    assert first.qkv_proj.types == [T.Q4_K, T.Q6_K]  # q and k one Q4_K segment, v its own
-    assert first.o_proj.types == [T.Q5_K] and first.down_proj.types == [T.Q6_K]
-    assert first.gate_up_proj.types == [T.Q3_K, T.Q2_K]
-    assert second.qkv_proj.types == [T.Q5_0, T.Q5_1, T.Q8_0]
-    assert (second.o_proj.types, second.gate_up_proj.types, second.down_proj.types) == ([T.Q4_K], [T.Q5_0], [T.Q4_K])
+    assert first.self_attn.qkv_proj.types == [T.Q4_K, T.Q6_K]  # q and k one Q4_K segment, v its own
+    assert first.self_attn.o_proj.types == [T.Q5_K] and first.mlp.down_proj.types == [T.Q6_K]
+    assert first.mlp.gate_up_proj.types == [T.Q3_K, T.Q2_K]
+    assert second.self_attn.qkv_proj.types == [T.Q5_0, T.Q5_1, T.Q8_0]
+    assert (second.self_attn.o_proj.types, second.mlp.gate_up_proj.types, second.mlp.down_proj.types) == (
+        [T.Q4_K], [T.Q5_0], [T.Q4_K])
     assert isinstance(model.embed_tokens, GGUFEmbedding) and model.embed_tokens.linear.types == [EMBEDDING]
     assert isinstance(model.lm_head, GGUFLinear) and model.lm_head.types == [HEAD]
 
@@ -105,7 +106,7 @@ def test_kept_weights_equal_transformers_and_multiply_as_they_do(mixed_file, hf_
             "down_proj": hf("mlp.down_proj"),
         }
         for name, weight in expected.items():
-            linear = getattr(layer, name)
+            linear = getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name)
             assert torch.equal(linear.dequantize(), weight), (i, name)  # q/k rows unpermuted as transformers does
             for num_rows in (1, 9, 70):  # fused tiles of 1-4 and 8 rows; dequantize + GEMM
                 x = torch.randn(num_rows, linear.in_features)

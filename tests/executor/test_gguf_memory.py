@@ -50,7 +50,7 @@ sampler.join()
 gc.collect()
 after = rss()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-types = sorted({t for layer in model.layers for m in (layer.qkv_proj, layer.down_proj) for t in m.types})
+types = sorted({t for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj) for t in m.types})
 print(json.dumps({"before": before, "after": after, "peak": peak, "anon_growth_peak": peak_anon - before_anon,
                   "weights": weight_bytes(model), "types": types, "head": model.lm_head.types}))
 """

@@ -55,10 +55,10 @@ def test_sharded_checkpoint_loads_every_tensor(tiny_model_dirs):
         with safe_open(str(f), "pt") as st:
             tensors.update({k: st.get_tensor(k) for k in st.keys()})  # noqa: SIM118
     layer = model.layers[1]
-    q, _k, v = layer.qkv_proj.weight.split((c.q_size, c.kv_size, c.kv_size))
+    q, _k, v = layer.self_attn.qkv_proj.weight.split((c.q_size, c.kv_size, c.kv_size))
     assert torch.equal(q, tensors["model.layers.1.self_attn.q_proj.weight"])
     assert torch.equal(v, tensors["model.layers.1.self_attn.v_proj.weight"])
-    _gate, up = layer.gate_up_proj.weight.chunk(2)
+    _gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
     assert torch.equal(up, tensors["model.layers.1.mlp.up_proj.weight"])
     assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
 

@@ -157,7 +157,7 @@ def test_moe_gguf_file_equals_transformers_on_the_weights_it_holds(kind, tmp_pat
     folder it was written from with the file's weights (transformers cannot read these files).
     The attention projections keep their blocks (q/k of the Mixtral file unpermuted), the experts
     and the router are floats; the top-k weights are renormalised and no window is set, as llama.cpp does."""
-    from executor_svc.models.layers import SparseMoE
+    from executor_svc.model import SparseMoE
 
     hf_dir, gguf_dir, reference_dir = tmp_path / "hf", tmp_path / "gguf", tmp_path / "reference"
     build_family(kind, hf_dir, default_model_dir, **MOE_GGUF_CONFIG[kind])

@@ -53,8 +53,9 @@ def prompts(gguf_dir) -> dict[str, list[int]]:
 def test_gguf_blocks_are_kept_by_default(quantized_runner):
     assert quantized_runner.quantization == "gguf"
     layer = quantized_runner.model.layers[0]
-    assert all(isinstance(getattr(layer, n), GGUFLinear) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
-    assert layer.qkv_proj.types == [3]  # Q4_1, q/k/v in one segment
+    assert all(isinstance(m, GGUFLinear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert layer.self_attn.qkv_proj.types == [3]  # Q4_1, q/k/v in one segment
     assert quantized_runner.model.lm_head.types == [8]  # the tied head is the Q8_0 embedding's blocks
     # 98 MB file -> ~94 MiB resident (+ float32 norms and rotary tables), where float32 takes 515 MiB
     assert 85 * 2**20 < quantized_runner.weight_bytes < 100 * 2**20
@@ -114,7 +115,7 @@ def test_int8_quality_bound(default_model_dir, hf_default, prompts):
     """
     runner = ModelRunner(default_model_dir, device="cpu", block_size=16, num_kv_blocks=64, quantization="int8")
     assert runner.quantization == "int8"
-    assert isinstance(runner.model.layers[0].gate_up_proj, GGUFLinear) and runner.weight_bytes < 250 * 2**20
+    assert isinstance(runner.model.layers[0].mlp.gate_up_proj, GGUFLinear) and runner.weight_bytes < 250 * 2**20
     from transformers import AutoTokenizer
 
     tokens = AutoTokenizer.from_pretrained(str(default_model_dir))(TEXT)["input_ids"]

@@ -125,7 +125,7 @@ def test_sparse_moe_on_the_kernel_equals_transformers(kind, moe_family_dirs, dev
     21-token prompt in chunks of 8 and 4 greedy tokens equal transformers', every row's
     log-probabilities within 1e-4."""
     from executor_svc.model_runner import ModelRunner
-    from executor_svc.models.layers import SparseMoE
+    from executor_svc.model import SparseMoE
     from pagoda.step import SamplingParams
     from scheduler_svc.core import Request
     from tests.executor.test_model_families import serve_recording_logits
@@ -153,9 +153,9 @@ def test_sparse_moe_on_the_kernel_equals_transformers(kind, moe_family_dirs, dev
 
 
 def moe_config(hidden: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool):
-    from executor_svc.models.layers import FamilyConfig
+    from executor_svc.model import ModelConfig
 
-    return FamilyConfig(
+    return ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=8, hidden_size=hidden, intermediate_size=4 * hidden,
         num_layers=1, num_heads=1, num_kv_heads=1, head_dim=hidden, rms_norm_eps=1e-6, max_position_embeddings=8,
         tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, inv_freq=(1.0,),
@@ -180,7 +180,7 @@ def moe_config(hidden: int, num_experts: int, top_k: int, intermediate: int, nor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sparse_moe_kernel_route_matches_the_expert_loop(shape, token_counts, fused, dtype, device, monkeypatch):
     """`SparseMoE` on the kernel (`fused`) against the same weights on the expert loop (`fused=False`)."""
-    from executor_svc.models.layers import SparseMoE
+    from executor_svc.model import SparseMoE
 
     config = moe_config(*shape)
     moe = SparseMoE(config, dtype, fused=fused).to(device)
