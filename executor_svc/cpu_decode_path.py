@@ -96,6 +96,7 @@ class _Linear:
 
 
 def _linear(module) -> _Linear | None:
+    module = getattr(module, "base", module)  # a LoRA-wrapped projection's own weights (its steps with adapters go elsewhere)
     if not isinstance(module, GGUFLinear) or module.bias is not None:
         return None
     segments = tuple((t, p.data_ptr(), p.shape[1], p.shape[0]) for t, p in module.segments)
@@ -301,6 +302,9 @@ class CpuDecodePath:
         """(hidden, residual) as the model's forward returns them, or None: this step is not for this path.
 
         `meta`: one for every layer, or one per layer (each layer's KV cache group's)."""
+        lora = self.model.lora
+        if lora is not None and lora.active:  # rows of an adapter: the modules add its deltas
+            return None
         rows = input_ids.shape[0]
         metas = meta if isinstance(meta, tuple) else (meta,) * len(self._layers)
         first = metas[0]

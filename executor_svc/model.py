@@ -428,6 +428,7 @@ class DecoderModel(nn.Module):
         )
         for name in ("rotary_cos", "rotary_sin", "local_cos", "local_sin"):
             self.register_buffer(name, torch.empty(0), persistent=False)
+        self.lora = None  # the step's adapter rows where adapters are on (executor_svc.lora.LoraState)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
@@ -39,6 +40,7 @@ from executor_svc.fused_ops import rows_finite
 from executor_svc.input_batch import BatchError, InputBatch
 from executor_svc.kv_cache_spec import KVCacheLayout, kv_cache_groups as group_layers, layer_sliding_windows
 from executor_svc.loader import load_model, weight_bytes
+from executor_svc.lora import LoraError, LoraManager
 from executor_svc.model import DecoderModel, can_pack_for_cpu
 from executor_svc.quant.gguf_linear import GGUFLinear
 from executor_svc.sampler import Sampler, SamplingRow
@@ -80,10 +82,11 @@ class CachedRequestState:
     Its tokens, blocks and computed count live in its row of the persistent batch
     (`InputBatch`); `token_ids` is also kept as a list, which the sampler's penalties read."""
 
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "row", "_batch")
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "row", "adapter", "_batch")
 
-    def __init__(self, new: NewRequestData, batch: InputBatch) -> None:
+    def __init__(self, new: NewRequestData, batch: InputBatch, adapter: int = -1) -> None:
         self.req_id = new.req_id
+        self.adapter = adapter  # its LoRA adapter's id (executor_svc.lora), -1 for the base model
         self.token_ids = list(new.token_ids)  # prompt + generated so far
         self.num_prompt_tokens = new.num_prompt_tokens
         self.sampling: SamplingParams = new.sampling
@@ -193,6 +196,8 @@ class ModelRunner:
         tp=None,
         kv_cache_groups: tuple[KVCacheGroupSpec, ...] | None = None,
         backend: BackendOptions | None = None,
+        enable_lora: bool = False,
+        max_lora_rank: int = 64,
     ) -> None:
         """`tp`: this runner's rank of a tensor-parallel group (`executor_svc.parallel`), or None.
 
@@ -201,6 +206,8 @@ class ModelRunner:
 
         `backend`: the execution choices (`BackendOptions.from_env()` when None);
         `attention_backend` and `kv_cache_dtype` are its `attention` and `kv_cache_dtype`.
+
+        `enable_lora`: the projections take LoRA adapters (`add_lora`), of rank up to `max_lora_rank`.
         """
         self._device = resolve_device(device)
         if num_threads:  # else torch's default: one thread per physical core
@@ -227,6 +234,7 @@ class ModelRunner:
             pack_weights = can_pack_for_cpu(self._device, self.dtype) and self.quantization == "none"
         if pack_weights:
             self.model.pack_for_cpu()
+        self.loras = LoraManager(self.model, max_lora_rank) if enable_lora else None
         self.config = self.model.config
         self.kv_cache_groups = self._kv_cache_groups(kv_cache_groups)
         self.kv_cache_layout = KVCacheLayout(self.kv_cache_groups, self.config.num_layers)
@@ -400,13 +408,39 @@ class ModelRunner:
         try:
             for new in plan.new_requests:
                 self._drop(new.req_id)  # sent again in full (after a preemption)
-                self.requests[new.req_id] = CachedRequestState(new, self.batch)
+                self.requests[new.req_id] = CachedRequestState(new, self.batch, self._adapter_of(new))
                 if new.sampling.constraint is not None:  # its matcher replays the output so far
                     self.structured.add(new.req_id, new.sampling.constraint, new.token_ids[new.num_prompt_tokens :])
             for cached in plan.cached_requests:
                 self.batch.append_blocks(self._state(cached.req_id).row, cached.new_block_ids)
         except BatchError as exc:
             raise PlanError(str(exc)) from None
+
+    def _adapter_of(self, new: NewRequestData) -> int:
+        """The id of the request's adapter; one this replica does not hold fails the request, alone
+        (never a base-model answer in its place)."""
+        if not new.lora:
+            return -1
+        if self.loras is not None and new.lora in self.loras.adapters:
+            return self.loras.id_of(new.lora)
+        why = "LoRA adapters are off on this executor" if self.loras is None else "it is not loaded on this executor"
+        self.failed[new.req_id] = f"adapter {new.lora!r}: {why}"
+        return -1
+
+    # -- LoRA adapters --------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str | Path) -> int:
+        """Load the PEFT folder `path` as adapter `name` (`executor_svc.lora.LoraManager.load`); its bytes."""
+        if self.loras is None:
+            raise LoraError("enable_lora", "LoRA adapters are off on this executor")
+        adapter = self.loras.load(name, path)
+        logger.info("LoRA adapter %r loaded from %s: rank %d, %.1f MiB", name, path, adapter.rank, adapter.nbytes / 2**20)
+        return adapter.nbytes
+
+    def remove_lora(self, name: str) -> None:
+        if self.loras is None:
+            raise LoraError("enable_lora", "LoRA adapters are off on this executor")
+        self.loras.unload(name)
 
     def _drop(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
@@ -449,6 +483,9 @@ class ModelRunner:
             for slot_mapping, block_table in zip(g.slot_mappings, g.block_tables)
         ]
         sampled = g.sampled.tolist()
+        if self.loras is not None:  # each token's adapter, grouped once for every projection of the step
+            adapters = np.fromiter((s.adapter for s in states), dtype=np.int64, count=len(states))
+            self.loras.state.set_step(np.repeat(adapters, g.query_lens) if adapters.max() >= 0 else None, self._device)
         return StepInputs(
             req_ids=req_ids,
             input_ids=to_device(g.input_ids),

@@ -143,6 +143,7 @@ class NewRequestData:
     sampling: SamplingParams
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    lora: str = ""  # the LoRA adapter the request runs with, by name; "" for the base model
 
     def __post_init__(self) -> None:
         self.block_ids = per_group(self.block_ids)

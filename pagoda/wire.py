@@ -125,6 +125,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 block_ids=r.block_ids[0],
                 num_computed_tokens=r.num_computed_tokens,
                 group_block_ids=_other_groups(r.block_ids),
+                lora=r.lora,
             )
             for r in plan.new_requests
         ],
@@ -154,6 +155,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
                 sampling=sampling_from_proto(r.sampling),
                 block_ids=_per_group(r.block_ids, r.group_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
+                lora=r.lora,
             )
             for r in msg.new_requests
         ],

@@ -150,7 +150,7 @@ class ExecutorPool:
         loads = {h.executor_id: h.load() for h in fits}
         least = min(loads.values())
         hits = {
-            h.executor_id: h.scheduler.kv_cache_manager.num_prefix_cached_tokens(first.all_token_ids, first.cache_salt)
+            h.executor_id: h.scheduler.kv_cache_manager.num_prefix_cached_tokens(first.all_token_ids, first.prefix_salt)
             for h in fits
             if loads[h.executor_id] <= least + _prefix_routing_slack(least)
         }

@@ -73,8 +73,11 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None  # None: no drafts
     enable_kv_cache_events: bool = False  # record prefix-cache events (`Scheduler.take_kv_events`)
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = field(default=FULL_ATTENTION)
+    max_loras: int = 0  # LoRA adapters in one step (the base model aside); 0: no limit
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 0:
+            raise ValueError(f"SchedulerConfig.max_loras must be an int >= 0, got {self.max_loras!r}")
         minimums = {
             "num_blocks": 2,
             "block_size": 1,

@@ -318,7 +318,7 @@ class KVCacheManager:
         parent = hashes[start - 1].hash_value if start else None
         for group_id, table in enumerate(tables):
             self.block_pool.cache_full_blocks(
-                table[start:num_full], hashes[start:num_full], parent, request.cache_salt, group_id
+                table[start:num_full], hashes[start:num_full], parent, request.prefix_salt, group_id
             )
         self._num_hashed_blocks[request.req_id] = num_full
 
@@ -360,7 +360,7 @@ class KVCacheManager:
 
     def _hashes(self, request: Request) -> list[BlockHash]:
         hashes = self._block_hashes.setdefault(request.req_id, [])
-        extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.prefix_salt)
         return hashes
 
     # ---- accounting -----------------------------------------------------------------------

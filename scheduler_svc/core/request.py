@@ -83,6 +83,7 @@ class Request:
     was_scheduled: bool = False
     is_beam: bool = False
     cache_salt: str = ""  # tenant + GenerateRequest.cache_salt: prefix-cache hits only among equal salts
+    lora: str = ""  # the LoRA adapter it runs with (its name as executors know it), "" for the base model
     # speculative decoding: drafts verified, of them accepted; the backoff of `spec_decode`
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
@@ -101,6 +102,14 @@ class Request:
         self.eos_token_ids = frozenset(self.eos_token_ids)
         self._all_token_ids = self.prompt_token_ids + self.output_token_ids
         self._stop_token_ids = frozenset(self.sampling.stop_token_ids)
+
+    @property
+    def prefix_salt(self) -> str:
+        """What its prefix-cache hashes start from: the salt, and the adapter (base and adapters never share KV).
+
+        The service's salts are "" or start with a digit (`scheduler_svc.auth.prefix_cache_salt`), so no
+        request of the base model can spell an adapter's, and the adapter's name is length-prefixed."""
+        return f"lora:{len(self.lora)}:{self.lora}|{self.cache_salt}" if self.lora else self.cache_salt
 
     @property
     def all_token_ids(self) -> list[int]:

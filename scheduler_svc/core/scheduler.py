@@ -83,6 +83,32 @@ class _InFlight:
         return 1 + len(self.plan.scheduled_spec_decode_tokens.get(req_id, ()))
 
 
+class _AdapterCap:
+    """Which waiting requests a step may start under `max_loras`, without starving an adapter.
+
+    A request of an adapter already running, or of a new one while fewer than `max_loras` run,
+    starts. The first request (in the queue's order) whose adapter finds no room stops every
+    other adapter's new requests but its own and the base model's: the running adapters then
+    drain, and the next one to finish makes room for it, however busy the others are.
+    """
+
+    def __init__(self, max_loras: int, running: set[str]) -> None:
+        self.max_loras = max_loras
+        self.active = running
+        self.next_in: str | None = None  # the adapter waiting for room, once one is
+
+    def admits(self, lora: str) -> bool:
+        if not lora:
+            return True
+        if self.next_in is not None:
+            return lora == self.next_in and len(self.active) < self.max_loras
+        if lora in self.active or len(self.active) < self.max_loras:
+            self.active.add(lora)  # (an admission may still fail for room: the cap only counts it once more)
+            return True
+        self.next_in = lora
+        return False
+
+
 class Scheduler:
     """Admission, token budget, preemption, n-sample and beam forks for one executor.
 
@@ -576,10 +602,13 @@ class Scheduler:
         return self.kv_cache_manager.allocate_slots(request, num_new, next_query_position=next_query_position)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        adapters = self._adapter_cap()
         for request in list(self._waiting):
             if budget == 0 or len(self._running) >= self.config.max_num_seqs:
                 return
             if request.req_id in self._held or request.num_output_placeholders:  # its token is not back yet
+                continue
+            if adapters is not None and not adapters.admits(request.lora):
                 continue
             leader_id = self._siblings.leader_of(request.req_id)
             if leader_id is None:
@@ -591,6 +620,12 @@ class Scheduler:
             if num_scheduled == 0:
                 return
             budget -= num_scheduled
+
+    def _adapter_cap(self) -> _AdapterCap | None:
+        """The step's LoRA adapters under `max_loras` (None: no limit, or no request with an adapter waits)."""
+        if not self.config.max_loras or not any(r.lora for r in self._waiting):
+            return None
+        return _AdapterCap(self.config.max_loras, {r.lora for r in self._running if r.lora})
 
     def _admit(self, request: Request, plan: StepPlan, budget: int) -> int:
         """Start a waiting request from its prefix hit; the tokens scheduled, 0 if no room."""
@@ -634,6 +669,7 @@ class Scheduler:
             sampling=request.sampling,
             block_ids=self.kv_cache_manager.block_ids(request.req_id),
             num_computed_tokens=request.num_computed_tokens,
+            lora=request.lora,
         )
 
     def _send_forked(self, plan: StepPlan) -> None:

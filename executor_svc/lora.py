@@ -1,0 +1,314 @@
+"""LoRA adapters beside one copy of the base weights: PEFT folders, many in one step.
+
+An adapter is a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`): for some of
+the projections q/k/v/o and gate/up/down, two matrices A [r, in] and B [out, r] whose product,
+scaled, is added to the projection's output: `y = W x + (B (A x)) * scale`, with
+`scale = lora_alpha / r` (rsLoRA: `lora_alpha / sqrt(r)`; `rank_pattern` / `alpha_pattern`
+per module, as PEFT reads them). The decoder's projections are merged (`qkv_proj` rows
+[q | k | v], `gate_up_proj` rows [gate | up]), so an adapter's A matrices of one merged
+projection are stacked into one [sum r, in] and its B matrices placed, scaled, in a
+[out, sum r] of zeros where their rows go: one pair of matmuls a projection per adapter,
+whatever slices it adapts. Phi-3's stored `qkv_proj` / `gate_up_proj` are adapted as they are.
+
+`LoraLinear` wraps a projection (whatever holds its weights: `nn.Linear`, a packed oneDNN copy,
+GGUF blocks, int8 rows; the adapter stays in float32 beside them). A step's rows are grouped
+by adapter once (`LoraState.set_step`: an index, or a slice where the adapter's rows are
+contiguous), and each wrapped projection adds each group's delta in one batched pass --
+x[rows] @ A.T, then @ B.T -- a loop over the step's adapters (at most `max_loras`), never
+over requests: vLLM's CPU punica path does the same. Rows of the base model take no extra work,
+and a step with no adapter row costs one attribute test a projection.
+
+Refused at load, with nothing loaded and a message naming the field: DoRA (`use_dora`), an
+adapter of the embedding or the LM head (`target_modules`, `modules_to_save`), a module the
+model lacks or cannot adapt (experts, routers), a rank above `max_lora_rank` (`r`), shapes of
+another base (`lora_A` / `lora_B` of a module), biases (`bias`), a layer the model lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from executor_svc.model import DecoderModel
+from executor_svc.models import family
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors",)
+# the modules an adapter may target, by their checkpoint names (Phi-3 stores qkv_proj / gate_up_proj merged)
+ADAPTABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+_PREFIX = "base_model.model."  # PEFT's name of the wrapped model's root
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be applied to this model; `field` names what is wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class _Slice:
+    """One checkpoint module's A [r, in] and B [out, r] and where its rows go in the merged projection."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    first_row: int
+    scale: float
+
+
+class LoraLinear(nn.Module):
+    """A projection plus the deltas of the adapters the step's rows use (see the module docstring)."""
+
+    def __init__(self, base: nn.Module, state: LoraState) -> None:
+        super().__init__()
+        self.base = base
+        self.state = state
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # adapter id -> (A [R, in], B [out, R]) float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        for adapter, rows in self.state.groups:
+            weights = self.adapters.get(adapter)
+            if weights is None:
+                continue
+            a, b = weights
+            delta = (x[rows].float() @ a.T) @ b.T
+            if isinstance(rows, slice) and out.dtype == torch.float32:
+                out[rows].add_(delta)
+            elif out.dtype == torch.float32:
+                out.index_add_(0, rows, delta)
+            else:
+                out[rows] = (out[rows].float() + delta).to(out.dtype)
+        return out
+
+
+class LoraState:
+    """The step's rows grouped by adapter, shared by every `LoraLinear` of a model."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []  # (adapter id, its rows)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.groups)
+
+    def set_step(self, token_adapters: np.ndarray | None, device: torch.device) -> None:
+        """`token_adapters[i]`: the adapter id of the step's i-th token, -1 for the base model."""
+        self.groups = []
+        if token_adapters is None or not (token_adapters >= 0).any():
+            return
+        for adapter in np.unique(token_adapters[token_adapters >= 0]).tolist():
+            rows = np.flatnonzero(token_adapters == adapter)
+            if rows[-1] - rows[0] + 1 == len(rows):
+                self.groups.append((adapter, slice(int(rows[0]), int(rows[-1]) + 1)))
+            else:
+                self.groups.append((adapter, torch.from_numpy(rows).to(device)))
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: Path
+    id: int
+    rank: int
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # projection's module name -> (A, B)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def _pattern_value(patterns: dict, key: str, default):
+    """PEFT's `rank_pattern` / `alpha_pattern` lookup: the first pattern that matches the module name's end."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return default
+
+
+def read_adapter_config(path: Path, max_rank: int) -> dict:
+    """The folder's adapter_config.json, checked for what the decoder can apply."""
+    config_file = path / CONFIG_FILE
+    if not path.is_dir():
+        raise LoraError("lora_path", f"{path} is not a folder")
+    if not config_file.is_file():
+        raise LoraError("lora_path", f"{path} has no {CONFIG_FILE}")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoraError(CONFIG_FILE, f"unreadable: {exc}") from None
+    if not isinstance(config, dict):
+        raise LoraError(CONFIG_FILE, "expected a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraError("peft_type", f"{config.get('peft_type')!r}: only LORA adapters are served")
+    if config.get("use_dora"):
+        raise LoraError("use_dora", "DoRA adapters are not supported")
+    if config.get("modules_to_save"):
+        raise LoraError("modules_to_save", f"{config['modules_to_save']}: only LoRA matrices are applied, no module is replaced")
+    if config.get("bias", "none") != "none":
+        raise LoraError("bias", f"{config['bias']!r}: adapters with biases are not supported")
+    if config.get("fan_in_fan_out"):
+        raise LoraError("fan_in_fan_out", "not supported (Conv1D bases)")
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [targets]  # a regular expression: the weights say which modules it matched
+    for target in targets:
+        name = target.rsplit(".", 1)[-1]
+        if name in ("embed_tokens", "lm_head", "wte", "output"):
+            raise LoraError("target_modules", f"{target!r}: adapters on the embedding or the LM head are not supported")
+    ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
+    if any(not isinstance(r, int) or r < 1 for r in ranks):
+        raise LoraError("r", f"{ranks}: ranks must be positive integers")
+    if max(ranks) > max_rank:
+        raise LoraError("r", f"rank {max(ranks)} is above --max-lora-rank {max_rank}")
+    return config
+
+
+def read_adapter(path: str | Path, model: DecoderModel, max_rank: int) -> dict[str, list[_Slice]]:
+    """The adapter of folder `path` as slices per projection of `model` (its module name), checked
+    against the model's shapes; raises `LoraError` naming the field, having loaded nothing."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config = read_adapter_config(path, max_rank)
+    files = [path / n for n in WEIGHT_FILES if (path / n).is_file()]
+    if not files:
+        raise LoraError("lora_path", f"{path} has no {WEIGHT_FILES[0]}")
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(files[0]), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            tensors[key] = f.get_tensor(key)
+    c = model.config
+    target_of = family(c.architecture).weight_target
+    use_rslora = bool(config.get("use_rslora", False))
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    slices: dict[str, list[_Slice]] = {}
+    pairs = {}
+    for key in tensors:
+        match = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        if match is None:
+            if key.endswith((".lora_embedding_A", ".lora_embedding_B")) or "lora_embedding" in key:
+                raise LoraError("target_modules", f"{key}: adapters on the embedding are not supported")
+            raise LoraError("adapter_model.safetensors", f"tensor {key} is not a LoRA matrix")
+        pairs.setdefault(match.group(1), {})[match.group(2)] = key
+    if not pairs:
+        raise LoraError("adapter_model.safetensors", "no LoRA matrix in the file")
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoraError(module, "lora_A and lora_B must both be present")
+        hf_name = module.removeprefix(_PREFIX)
+        leaf = hf_name.rsplit(".", 1)[-1]
+        if leaf in ("embed_tokens", "lm_head"):
+            raise LoraError("target_modules", f"{leaf}: adapters on the embedding or the LM head are not supported")
+        if leaf not in ADAPTABLE:
+            raise LoraError("target_modules", f"{module}: not a projection the decoder can adapt ({', '.join(ADAPTABLE)})")
+        target = target_of(hf_name + ".weight", c)
+        if target is None or isinstance(target[1], tuple):
+            raise LoraError("target_modules", f"{module}: the model has no such projection")
+        param, first_row = target
+        owner_name = param.removesuffix(".weight")
+        try:
+            owner = model.get_submodule(owner_name)
+        except AttributeError:
+            raise LoraError("target_modules", f"{module}: the model has no such module ({owner_name})") from None
+        if not isinstance(owner, LoraLinear):
+            raise LoraError("target_modules", f"{module}: not a projection the decoder can adapt")
+        a, b = tensors[ab["A"]].float(), tensors[ab["B"]].float()
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+            raise LoraError(f"{module}.lora_B", f"shapes {tuple(a.shape)} and {tuple(b.shape)} do not make a rank-{rank} pair")
+        if rank > max_rank:
+            raise LoraError("r", f"{module}: rank {rank} is above --max-lora-rank {max_rank}")
+        if a.shape[1] != owner.in_features:
+            raise LoraError(f"{module}.lora_A", f"shape {tuple(a.shape)}: the model's {leaf} takes {owner.in_features} inputs (an adapter of another base?)")
+        first_row = first_row or 0
+        expected = _slice_rows(c, leaf, owner.out_features)
+        if b.shape[0] != expected:
+            raise LoraError(f"{module}.lora_B", f"shape {tuple(b.shape)}: the model's {leaf} has {expected} outputs (an adapter of another base?)")
+        # PEFT's scaling: the module's alpha over its rank (its square root with rsLoRA)
+        alpha = _pattern_value(alpha_pattern, hf_name, config.get("lora_alpha", 8))
+        rank = _pattern_value(rank_pattern, hf_name, rank)
+        scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        slices.setdefault(owner_name, []).append(_Slice(a, b, first_row, scale))
+    for owner_name, parts in slices.items():
+        rows = [p.first_row for p in parts]
+        if len(set(rows)) != len(rows):
+            raise LoraError("target_modules", f"{owner_name}: two matrices for the same rows")
+    return slices
+
+
+def _slice_rows(c, leaf: str, merged_out: int) -> int:
+    """The rows of checkpoint module `leaf` in the decoder's (merged) projection."""
+    return {"q_proj": c.q_size, "k_proj": c.kv_size, "v_proj": c.kv_size,
+            "gate_proj": c.intermediate_size, "up_proj": c.intermediate_size}.get(leaf, merged_out)
+
+
+def merge_slices(parts: list[_Slice], out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [sum r, in] (the slices' A stacked) and B [out, sum r] (each slice's B, scaled, at its rows)."""
+    a = torch.cat([p.a for p in parts])
+    b = torch.zeros(out_features, a.shape[0], dtype=torch.float32)
+    start = 0
+    for p in parts:
+        rank = p.a.shape[0]
+        b[p.first_row : p.first_row + p.b.shape[0], start : start + rank] = p.b * p.scale
+        start += rank
+    return a.contiguous(), b
+
+
+class LoraManager:
+    """The adapters loaded on one model replica, by name; each one's matrices in its model's `LoraLinear`s."""
+
+    def __init__(self, model: DecoderModel, max_lora_rank: int = 64) -> None:
+        if model.tp.size > 1:
+            raise ValueError("LoRA adapters with tensor parallelism are not supported")
+        self.model = model
+        self.max_lora_rank = max_lora_rank
+        self.state = LoraState()
+        self.adapters: dict[str, Adapter] = {}
+        self._next_id = 0
+        self.modules: dict[str, LoraLinear] = {}
+        for owner, name in model.projections():
+            wrapped = LoraLinear(getattr(owner, name), self.state)
+            setattr(owner, name, wrapped)
+        self.modules = {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+        model.lora = self.state
+
+    def load(self, name: str, path: str | Path) -> Adapter:
+        """Read, check and install the adapter of `path` as `name` (replacing one of that name)."""
+        if not name:
+            raise LoraError("lora_name", "empty")
+        slices = read_adapter(path, self.model, self.max_lora_rank)
+        device = self.model.device
+        weights = {}
+        for owner_name, parts in slices.items():
+            a, b = merge_slices(parts, self.modules[owner_name].out_features)
+            weights[owner_name] = (a.to(device), b.to(device))
+        if name in self.adapters:
+            self.unload(name)
+        adapter = Adapter(name, Path(path), self._next_id, max(p.a.shape[0] for s in slices.values() for p in s), weights)
+        self._next_id += 1
+        for owner_name, ab in weights.items():
+            self.modules[owner_name].adapters[adapter.id] = ab
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload(self, name: str) -> None:
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
+            raise LoraError("lora_name", f"{name!r} is not loaded")
+        for module in self.modules.values():
+            module.adapters.pop(adapter.id, None)
+
+    def id_of(self, name: str) -> int:
+        """The adapter id of `name` ("" is the base model: -1); KeyError when it is not loaded."""
+        return -1 if not name else self.adapters[name].id
