@@ -18,6 +18,11 @@ x[rows] @ A.T, then @ B.T -- a loop over the step's adapters (at most `max_loras
 over requests: vLLM's CPU punica path does the same. Rows of the base model take no extra work,
 and a step with no adapter row costs one attribute test a projection.
 
+On CUDA (`kernels`): every adapter's A and B of a projection stacked by slot ([slots, R, in],
+[slots, out, R], ranks zero-padded, in the model's dtype) and the step's rows grouped once
+(`kernels.lora.lora_metadata`); a projection is then one shrink and one expand launch
+(`kernels.lora`, SGMV) for all adapters of the step.
+
 Refused at load, with nothing loaded and a message naming the field: DoRA (`use_dora`), an
 adapter of the embedding or the LM head (`target_modules`, `modules_to_save`), a module the
 model lacks or cannot adapt (experts, routers), a rank above `max_lora_rank` (`r`), shapes of
@@ -74,9 +79,29 @@ class LoraLinear(nn.Module):
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # adapter id -> (A [R, in], B [out, R]) float32
+        self.a_stacked: torch.Tensor | None = None  # (kernels) [slots, R, in], [slots, out, R]: `stack`
+        self.b_stacked: torch.Tensor | None = None
+
+    def stack(self, slots: list[int], dtype: torch.dtype, device: torch.device) -> None:
+        """The adapters' A and B by slot (`slots[i]`: the adapter id of slot i), for the kernels."""
+        rank = max((a.shape[0] for a, _ in self.adapters.values()), default=1)
+        a_stacked = torch.zeros(len(slots), rank, self.in_features, dtype=dtype, device=device)
+        b_stacked = torch.zeros(len(slots), self.out_features, rank, dtype=dtype, device=device)
+        for slot, adapter in enumerate(slots):
+            if adapter in self.adapters:
+                a, b = self.adapters[adapter]
+                a_stacked[slot, : a.shape[0]] = a
+                b_stacked[slot, :, : a.shape[0]] = b
+        self.a_stacked, self.b_stacked = a_stacked, b_stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
+        meta = self.state.meta
+        if meta is not None:  # the kernels: every adapter of the step in one shrink and one expand
+            from kernels.lora import lora_expand, lora_shrink
+
+            lora_expand(lora_shrink(x, self.a_stacked, meta), self.b_stacked, meta, out)
+            return out
         for adapter, rows in self.state.groups:
             weights = self.adapters.get(adapter)
             if weights is None:
@@ -97,15 +122,24 @@ class LoraState:
 
     def __init__(self) -> None:
         self.groups: list[tuple[int, slice | torch.Tensor]] = []  # (adapter id, its rows)
+        self.kernels = False  # rows grouped for kernels.lora (`meta`) rather than `groups`
+        self.slot_of: np.ndarray = np.zeros(0, dtype=np.int64)  # (kernels) adapter id -> its slot
+        self.meta = None  # (kernels) kernels.lora.LoraMeta of the step
 
     @property
     def active(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or self.meta is not None
 
     def set_step(self, token_adapters: np.ndarray | None, device: torch.device) -> None:
         """`token_adapters[i]`: the adapter id of the step's i-th token, -1 for the base model."""
-        self.groups = []
+        self.groups, self.meta = [], None
         if token_adapters is None or not (token_adapters >= 0).any():
+            return
+        if self.kernels:
+            from kernels.lora import lora_metadata
+
+            slots = np.where(token_adapters >= 0, self.slot_of[np.maximum(token_adapters, 0)], -1)
+            self.meta = lora_metadata(torch.from_numpy(slots).to(device))
             return
         for adapter in np.unique(token_adapters[token_adapters >= 0]).tolist():
             rows = np.flatnonzero(token_adapters == adapter)
@@ -268,12 +302,14 @@ def merge_slices(parts: list[_Slice], out_features: int) -> tuple[torch.Tensor, 
 class LoraManager:
     """The adapters loaded on one model replica, by name; each one's matrices in its model's `LoraLinear`s."""
 
-    def __init__(self, model: DecoderModel, max_lora_rank: int = 64) -> None:
+    def __init__(self, model: DecoderModel, max_lora_rank: int = 64, kernels: bool | None = None) -> None:
+        """`kernels`: the Triton kernels (`kernels.lora`) apply the deltas; None: on CUDA."""
         if model.tp.size > 1:
             raise ValueError("LoRA adapters with tensor parallelism are not supported")
         self.model = model
         self.max_lora_rank = max_lora_rank
         self.state = LoraState()
+        self.state.kernels = model.device.type == "cuda" if kernels is None else kernels
         self.adapters: dict[str, Adapter] = {}
         self._next_id = 0
         self.modules: dict[str, LoraLinear] = {}
@@ -300,6 +336,7 @@ class LoraManager:
         for owner_name, ab in weights.items():
             self.modules[owner_name].adapters[adapter.id] = ab
         self.adapters[name] = adapter
+        self._restack()
         return adapter
 
     def unload(self, name: str) -> None:
@@ -308,6 +345,18 @@ class LoraManager:
             raise LoraError("lora_name", f"{name!r} is not loaded")
         for module in self.modules.values():
             module.adapters.pop(adapter.id, None)
+        self._restack()
+
+    def _restack(self) -> None:
+        """(kernels) each projection's adapters stacked by slot, the slots numbered in the adapters' order."""
+        if not self.state.kernels:
+            return
+        slots = sorted(a.id for a in self.adapters.values())
+        slot_of = np.full(self._next_id, -1, dtype=np.int64)
+        slot_of[slots] = np.arange(len(slots))
+        self.state.slot_of = slot_of
+        for module in self.modules.values():
+            module.stack(slots, self.model.dtype, self.model.device)
 
     def id_of(self, name: str) -> int:
         """The adapter id of `name` ("" is the base model: -1); KeyError when it is not loaded."""

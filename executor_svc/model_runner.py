@@ -198,6 +198,7 @@ class ModelRunner:
         backend: BackendOptions | None = None,
         enable_lora: bool = False,
         max_lora_rank: int = 64,
+        lora_kernels: bool | None = None,
     ) -> None:
         """`tp`: this runner's rank of a tensor-parallel group (`executor_svc.parallel`), or None.
 
@@ -207,7 +208,8 @@ class ModelRunner:
         `backend`: the execution choices (`BackendOptions.from_env()` when None);
         `attention_backend` and `kv_cache_dtype` are its `attention` and `kv_cache_dtype`.
 
-        `enable_lora`: the projections take LoRA adapters (`add_lora`), of rank up to `max_lora_rank`.
+        `enable_lora`: the projections take LoRA adapters (`add_lora`), of rank up to `max_lora_rank`;
+        `lora_kernels`: their deltas through Triton's kernels (None: on CUDA).
         """
         self._device = resolve_device(device)
         if num_threads:  # else torch's default: one thread per physical core
@@ -234,7 +236,7 @@ class ModelRunner:
             pack_weights = can_pack_for_cpu(self._device, self.dtype) and self.quantization == "none"
         if pack_weights:
             self.model.pack_for_cpu()
-        self.loras = LoraManager(self.model, max_lora_rank) if enable_lora else None
+        self.loras = LoraManager(self.model, max_lora_rank, lora_kernels) if enable_lora else None
         self.config = self.model.config
         self.kv_cache_groups = self._kv_cache_groups(kv_cache_groups)
         self.kv_cache_layout = KVCacheLayout(self.kv_cache_groups, self.config.num_layers)
