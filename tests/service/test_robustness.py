@@ -167,7 +167,8 @@ def test_a_huge_prompt_and_tokenize_do_not_freeze_running_streams(svc):
             tries.append((round(quiet, 3), round(max(loaded), 3), len(loaded)))
             print(f"largest inter-token gap of {len(loaded)}: quiet {quiet:.3f} s, "
                   f"beside a 4 MB prompt and a 4 MB Tokenize {max(loaded):.3f} s")
-            assert statuses == {"generate": grpc.StatusCode.INVALID_ARGUMENT, "tokenize": grpc.StatusCode.RESOURCE_EXHAUSTED}
+            # Tokenize: more than MAX_TOKENIZE_TOKENS, found after tokenizing a fifth of it (issue #43)
+            assert statuses == {"generate": grpc.StatusCode.INVALID_ARGUMENT, "tokenize": grpc.StatusCode.INVALID_ARGUMENT}
             if max(loaded) <= max(2 * quiet, 0.05):
                 return
     pytest.fail(f"(quiet, loaded, gaps) in each try: {tries}")
