@@ -134,6 +134,19 @@ def test_api_key_file_and_tenants(tmp_path):
         load_api_keys(None, str(path))
 
 
+def test_only_a_key_marked_admin_in_the_file_is_an_admin(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("key-aaaaaaaaaaaaaaaa ops admin\nkey-bbbbbbbbbbbbbbbb admin\nkey-cccccccccccccccc\n")
+    keys = {k.key: k for k in load_api_keys(["key-dddddddddddddddd"], str(path))}
+    assert keys[b"key-aaaaaaaaaaaaaaaa"].admin and keys[b"key-aaaaaaaaaaaaaaaa"].tenant == "ops"
+    assert not keys[b"key-bbbbbbbbbbbbbbbb"].admin and keys[b"key-bbbbbbbbbbbbbbbb"].tenant == "admin"  # a tenant's name
+    assert not keys[b"key-cccccccccccccccc"].admin and not keys[b"key-dddddddddddddddd"].admin
+    assert ApiKeyInterceptor(list(keys.values())).key_of(b"key-aaaaaaaaaaaaaaaa").admin
+    path.write_text("key-aaaaaaaaaaaaaaaa ops root\n")
+    with pytest.raises(ValueError, match="key tenant admin"):
+        load_api_keys(None, str(path))
+
+
 def test_salts_are_unambiguous_and_change_every_block_key():
     assert prefix_cache_salt("", "") == ""
     assert prefix_cache_salt("ab", "c") != prefix_cache_salt("a", "bc") != prefix_cache_salt("", "abc")
