@@ -35,6 +35,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import signal
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -217,6 +218,7 @@ _child_tokenizer: PreTrainedTokenizerBase | None = None
 
 def _child_init(model_dir: str) -> None:
     global _child_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the scheduler stops us (close)
     try:
         os.nice(CHILD_NICENESS)
     except OSError:
