@@ -74,6 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p, "--insecure-executor-link", default=False,
         help="a plaintext link, for a scheduler started with --insecure-executor-link",
     )
+    add_bool_flag(
+        p, link_security.ALLOW_INSECURE_SECRET_FLAG, default=False,
+        help="use a --cluster-secret-file that other users may read or that is weak, with a warning, instead of "
+        "refusing to start",
+    )
     add_flag(p, "--log-level", default="INFO")
     # Tensor parallelism (executor_svc/parallel): one executor made of N ranks.
     add_flag(p, "--tensor-parallel-size", type=int, default=1, help="ranks of this executor (torch.distributed: NCCL on CUDA, gloo on the CPU)")
@@ -181,7 +186,10 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             raise StartupError(f"cannot load the model from {model_dir}: {exc} (--model)") from None
 
     try:
-        link_keys = link_security.executor_link_keys(args.cluster_secret_file, args.insecure_executor_link, args.scheduler)
+        link_keys = link_security.executor_link_keys(
+            args.cluster_secret_file, args.insecure_executor_link, args.scheduler,
+            allow_insecure_secret=args.allow_insecure_cluster_secret,
+        )
     except (OSError, ValueError) as exc:
         log.error("no key for the executor link: %s", exc)
         return 2

@@ -3,9 +3,9 @@
 `Admission` is a raw ASGI middleware on every path but /health and /metrics:
 
 1. the `Authorization` header must be ASCII, and its key (or, with none, the gateway's own
-   `--api-key`) one the scheduler takes: asked once with GetModelInfo and remembered
-   (`KeyVerdicts`). A key the scheduler refuses is answered 401 before one byte of the body
-   is read, so a caller without a key costs the gateway a header, whatever it sends after it;
+   `--api-key`) one the scheduler takes: asked with GetModelInfo and remembered for a few
+   seconds (`KeyVerdicts`). A key the scheduler refuses is answered 401 before one byte of the
+   body is read, so a caller without a key costs the gateway a header, whatever it sends after it;
 2. the body is read up to `max_request_bytes` (a `Content-Length` over it is refused before
    reading, a longer chunked body as soon as it passes the limit): 413 in OpenAI's shape;
 3. the route gets the body as one message; later `receive` calls (disconnect polling) go to
@@ -38,34 +38,75 @@ def bearer_key(scope) -> str | None:
     return key.strip() or None if scheme.lower() == "bearer" else None
 
 
+# How long a verdict is kept: a key the scheduler stops taking (revoked: the scheduler restarted
+# with another key file) is refused here this long after at most, a key it starts taking is
+# taken as soon. One GetModelInfo per key and period: ~1 ms of a local scheduler's time.
+VERDICT_TTL_S = 5.0
+ACCEPTED_CAPACITY = 4096  # keys the scheduler took, least recently used dropped first
+REFUSED_CAPACITY = 1024  # keys it refused, likewise: a flood of bogus keys evicts only its own kind
+
+
+class _Expiring:
+    """Key digests with an expiry time, at most `capacity`, the least recently used dropped first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._expiry: OrderedDict[bytes, float] = OrderedDict()
+
+    def __contains__(self, digest: bytes) -> bool:
+        expiry = self._expiry.get(digest)
+        if expiry is None:
+            return False
+        if expiry <= time.monotonic():
+            del self._expiry[digest]
+            return False
+        self._expiry.move_to_end(digest)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def add(self, digest: bytes, ttl_s: float) -> None:
+        self._expiry[digest] = time.monotonic() + ttl_s
+        self._expiry.move_to_end(digest)
+        while len(self._expiry) > self.capacity:
+            self._expiry.popitem(last=False)
+
+    def discard(self, digest: bytes) -> None:
+        self._expiry.pop(digest, None)
+
+
 class KeyVerdicts:
     """Whether the scheduler takes a key, from one GetModelInfo with it, remembered for `ttl_s`
-    (by SHA-256, at most `capacity` keys, least recently used dropped first). Concurrent
-    checks of one key share one call."""
+    (by SHA-256). Taken and refused keys are kept apart, each bounded (`ACCEPTED_CAPACITY`,
+    `REFUSED_CAPACITY`), so that bogus keys never push a valid one out. Concurrent checks of
+    one key share one call."""
 
-    def __init__(self, client: AsyncClient, ttl_s: float = 60.0, capacity: int = 4096):
-        self._client, self._ttl_s, self._capacity = client, ttl_s, capacity
-        self._verdicts: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
+    def __init__(self, client: AsyncClient, ttl_s: float = VERDICT_TTL_S,
+                 accepted_capacity: int = ACCEPTED_CAPACITY, refused_capacity: int = REFUSED_CAPACITY):
+        self._client, self._ttl_s = client, ttl_s
+        self.accepted, self.refused = _Expiring(accepted_capacity), _Expiring(refused_capacity)
         self._pending: dict[bytes, asyncio.Future] = {}
 
     async def check(self, key: str | None) -> None:
         """Return if the scheduler takes `key` (None: the gateway's own key, or none); else raise
         GatewayError (401, or the status of the scheduler's failure, which is not remembered)."""
         digest = hashlib.sha256((key or "").encode()).digest()
-        verdict = self._verdicts.get(digest)
-        if verdict is None or verdict[1] < time.monotonic():
+        if digest in self.accepted:
+            return
+        if digest in self.refused:
+            taken = False
+        else:
             pending = self._pending.get(digest)
             if pending is None:
                 pending = self._pending[digest] = asyncio.ensure_future(self._ask(digest, key))
                 pending.add_done_callback(lambda _: self._pending.pop(digest, None))
-            verdict = await asyncio.shield(pending)
-        elif digest in self._verdicts:
-            self._verdicts.move_to_end(digest)
-        if not verdict[0]:
+            taken = await asyncio.shield(pending)
+        if not taken:
             raise GatewayError(401, "the API key was not accepted by the scheduler", type="authentication_error",
                                code="invalid_api_key")
 
-    async def _ask(self, digest: bytes, key: str | None) -> tuple[bool, float]:
+    async def _ask(self, digest: bytes, key: str | None) -> bool:
         try:
             await self._client.model_info(api_key=key)
             taken = True
@@ -73,11 +114,9 @@ class KeyVerdicts:
             if err.code != grpc.StatusCode.UNAUTHENTICATED:
                 raise GatewayError.from_pagoda(err) from None
             taken = False
-        verdict = (taken, time.monotonic() + self._ttl_s)
-        self._verdicts[digest] = verdict
-        while len(self._verdicts) > self._capacity:
-            self._verdicts.popitem(last=False)
-        return verdict
+        (self.accepted if taken else self.refused).add(digest, self._ttl_s)
+        (self.refused if taken else self.accepted).discard(digest)
+        return taken
 
 
 class Admission:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from gateway_svc.errors import GatewayError
-from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest, ContentPart, _Sampling
 from pagoda.client import Chunk, FinishReason, GenerateParams, TokenLogprob, Usage
 
 _UINT64 = (1 << 64) - 1
@@ -82,20 +82,35 @@ def chat_params(req: ChatCompletionRequest, constraint: dict) -> GenerateParams:
     return _common(req, max_tokens, req.logprobs, req.top_logprobs or 0, constraint)
 
 
+_IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
+def _content_text(i: int, parts: list[ContentPart]) -> str:
+    """List-form content as one text: its "text" parts joined with newlines, as vLLM joins them for
+    a chat template that takes text. Image parts are refused until the gateway sends images."""
+    texts = []
+    for j, part in enumerate(parts):
+        param = f"messages.{i}.content.{j}"
+        if part.type in _IMAGE_PARTS:
+            raise GatewayError(400, f"{param}: image parts ({part.type!r}) are not supported yet; "
+                                    f"send text parts only", param=param)
+        if part.type != "text":
+            raise GatewayError(400, f"{param}: content part type {part.type!r} is not supported; "
+                                    f"use \"text\"", param=param)
+        if part.text is None:
+            raise GatewayError(400, f"{param}.text: required for a \"text\" part", param=f"{param}.text")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """Messages with text content (content parts of type "text" are joined), an assistant's
+    """Messages with text content (list-form content as `_content_text`), an assistant's
     `tool_calls` and a tool's `tool_call_id` kept (the scheduler gives them to the template)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text":
-                    raise GatewayError(400, f"messages.{i}.content: only text parts are supported",
-                                       param=f"messages.{i}.content")
-                parts.append(part.get("text", ""))
-            content = "".join(parts)
+            content = _content_text(i, content)
         message = {"role": m.role, "content": content or ""}
         for j, c in enumerate(m.tool_calls or ()):
             try:

@@ -20,14 +20,24 @@ first); so `make run` and the tests run CURVE too. That file is used only if it 
 this user and nobody else may read or write it. An executor of a scheduler on another host
 takes a copy (`--cluster-secret-file`). Plaintext only with `--insecure-executor-link`, on
 both ends, logged as a warning.
+
+A `--cluster-secret-file` is refused at start (both ends) when other users may read it (mode
+bits for others, or for a group someone else is in) or when its text is weak: shorter than
+MIN_SECRET_CHARS (always), a repeated pattern, or under MIN_SECRET_BITS estimated from its
+characters' frequencies. `--allow-insecure-cluster-secret` (env
+PAGODA_ALLOW_INSECURE_CLUSTER_SECRET) turns the last two refusals into warnings.
 """
 
 from __future__ import annotations
 
+import collections
+import grp
 import hashlib
 import ipaddress
 import logging
+import math
 import os
+import pwd
 import secrets
 import stat
 from dataclasses import dataclass
@@ -40,11 +50,17 @@ import zmq
 from zmq.utils import z85
 
 from pagoda import model_files
+from pagoda.cli import env_name
 
 log = logging.getLogger(__name__)
 
 SECRET_BYTES = 32
 MIN_SECRET_CHARS = 32  # 128 bits of hex
+# The least a secret's characters must carry, estimated as length x the entropy of their frequencies
+# (a lower estimate than the truth for random text): of 200,000 random 32-hex-digit secrets the
+# lowest estimate was 91 bits (median 116); make_cluster_secret's 64 digits: 218 bits at least.
+MIN_SECRET_BITS = 80
+ALLOW_INSECURE_SECRET_FLAG = "--allow-insecure-cluster-secret"
 ZAP_DOMAIN = "pagoda"
 DEFAULT_SECRET_NAME = "cluster.secret"
 
@@ -128,16 +144,71 @@ def read_private_secret(path: str | os.PathLike) -> bytes:
     return read_cluster_secret(path)
 
 
-def read_cluster_secret(path: str | os.PathLike) -> bytes:
-    """The secret in `path` (surrounding whitespace ignored); ValueError if it is too short."""
+def read_cluster_secret(path: str | os.PathLike, allow_insecure: bool = False) -> bytes:
+    """The secret in `path` (surrounding whitespace ignored). ValueError if it is too short, and,
+    unless `allow_insecure` (then a warning), if other users may read it or it is weak."""
     path = Path(path)
     text = path.read_text().strip()
     if len(text) < MIN_SECRET_CHARS:
         raise ValueError(f"cluster secret {path} holds {len(text)} characters, at least {MIN_SECRET_CHARS} needed; {MAKE_SECRET_HINT}")
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("cluster secret %s is readable by other users (mode %o): chmod 600 it", path, stat.S_IMODE(mode))
+    problems = [p for p in (secret_exposure(path.stat()), secret_weakness(text)) if p]
+    if problems and allow_insecure:
+        log.warning("INSECURE: cluster secret %s is used though %s (%s)", path, "; ".join(problems),
+                    ALLOW_INSECURE_SECRET_FLAG)
+    elif problems:
+        raise ValueError(
+            f"cluster secret {path}: {'; '.join(problems)}. Make a private random one (chmod 600; {MAKE_SECRET_HINT}), "
+            f"or pass {ALLOW_INSECURE_SECRET_FLAG} (env {env_name(ALLOW_INSECURE_SECRET_FLAG)}) to use it anyway"
+        )
     return text.encode()
+
+
+def secret_exposure(info: os.stat_result) -> str | None:
+    """Why users other than the owner may read or write the file, or None. Group bits are fine for
+    a group nobody else is in (Kubernetes gives a mounted secret its pod's fsGroup, mode 0440)."""
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & stat.S_IRWXO:
+        return f"every user may read or write it (mode {mode:o})"
+    if mode & stat.S_IRWXG and not _private_group(info.st_gid):
+        return f"the users of group {info.st_gid} may read or write it (mode {mode:o})"
+    return None
+
+
+def _private_group(gid: int) -> bool:
+    """True when no user but this one is in group `gid` (a member or by their primary group)."""
+    try:
+        me = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        me = None
+    try:
+        members = set(grp.getgrgid(gid).gr_mem)
+    except KeyError:
+        members = set()
+    members |= {user.pw_name for user in pwd.getpwall() if user.pw_gid == gid}
+    return not members - {me}
+
+
+def secret_weakness(text: str) -> str | None:
+    """Why `text` is a weak secret (a repeated pattern, or few bits by its characters' frequencies), or None."""
+    period = _smallest_period(text)
+    if period <= len(text) // 2:
+        return f"it repeats a pattern of {period} characters"
+    counts = collections.Counter(text).values()
+    bits = -sum(n * math.log2(n / len(text)) for n in counts)
+    if bits < MIN_SECRET_BITS:
+        return f"its characters carry about {bits:.0f} bits, fewer than {MIN_SECRET_BITS} ({len(counts)} distinct)"
+    return None
+
+
+def _smallest_period(text: str) -> int:
+    """The least p such that text[i] == text[i + p] for every i (Knuth-Morris-Pratt's failure function)."""
+    fail = [0] * len(text)
+    for i in range(1, len(text)):
+        k = fail[i - 1]
+        while k and text[i] != text[k]:
+            k = fail[k - 1]
+        fail[i] = k + (text[i] == text[k])
+    return len(text) - fail[-1] if text else 0
 
 
 def derive_link_keys(secret: bytes) -> LinkKeys:
@@ -151,11 +222,13 @@ def derive_link_keys(secret: bytes) -> LinkKeys:
     return LinkKeys(server_public, server_secret, client_public, client_secret)
 
 
-def load_link_keys(secret_file: str | os.PathLike | None) -> LinkKeys | None:
-    return derive_link_keys(read_cluster_secret(secret_file)) if secret_file else None
+def load_link_keys(secret_file: str | os.PathLike | None, allow_insecure: bool = False) -> LinkKeys | None:
+    return derive_link_keys(read_cluster_secret(secret_file, allow_insecure)) if secret_file else None
 
 
-def scheduler_link_keys(secret_file: str | None, insecure: bool, bind: str) -> LinkKeys | None:
+def scheduler_link_keys(
+    secret_file: str | None, insecure: bool, bind: str, allow_insecure_secret: bool = False
+) -> LinkKeys | None:
     """The scheduler's keys: `--cluster-secret-file`, else the per-user secret (made on first start).
 
     None (plaintext) only with `insecure` (--insecure-executor-link), with a warning.
@@ -164,7 +237,7 @@ def scheduler_link_keys(secret_file: str | None, insecure: bool, bind: str) -> L
     if secret_file:
         if insecure:
             log.warning("--insecure-executor-link has no effect: the link uses --cluster-secret-file %s", secret_file)
-        return load_link_keys(secret_file)
+        return load_link_keys(secret_file, allow_insecure_secret)
     if insecure:
         reach = "on this host" if is_loopback_endpoint(bind) else "that reaches it"
         log.warning(
@@ -183,7 +256,8 @@ def scheduler_link_keys(secret_file: str | None, insecure: bool, bind: str) -> L
 
 
 def executor_link_keys(
-    secret_file: str | None, insecure: bool, endpoint: str, wait_s: float = 600.0, poll_s: float = 0.5
+    secret_file: str | None, insecure: bool, endpoint: str, wait_s: float = 600.0, poll_s: float = 0.5,
+    allow_insecure_secret: bool = False,
 ) -> LinkKeys | None:
     """An executor's keys: `--cluster-secret-file`, else the per-user secret of a scheduler on this host.
 
@@ -192,7 +266,7 @@ def executor_link_keys(
     `insecure`. Raises ValueError saying which flag to pass when there is no secret to use.
     """
     if secret_file:
-        return load_link_keys(secret_file)
+        return load_link_keys(secret_file, allow_insecure_secret)
     if insecure:
         log.warning("INSECURE: the link to %s is plaintext (--insecure-executor-link)", endpoint)
         return None

@@ -91,6 +91,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="a plaintext executor link, without the per-user secret (anyone reaching it can act as an executor; "
         "executors take the same flag)",
     )
+    add_bool_flag(
+        security, link_security.ALLOW_INSECURE_SECRET_FLAG, default=False,
+        help="use a --cluster-secret-file that other users may read or that is weak (a repeated pattern, few "
+        "bits), with a warning, instead of refusing to start (executors take the same flag)",
+    )
     security.add_argument(
         "--generate-cluster-secret", metavar="PATH", default=None,
         help="write a new random cluster secret to PATH (mode 600; refuses to overwrite) and exit",
@@ -160,7 +165,9 @@ def security_settings(args: argparse.Namespace):
     per-user secret (made on the first start). Warns when the gRPC port is reachable from other
     hosts without an API key.
     """
-    link_keys = link_security.scheduler_link_keys(args.cluster_secret_file, args.insecure_executor_link, args.executor_bind)
+    link_keys = link_security.scheduler_link_keys(
+        args.cluster_secret_file, args.insecure_executor_link, args.executor_bind, args.allow_insecure_cluster_secret
+    )
     api_keys = auth.load_api_keys(args.api_key, args.api_key_file)
     credentials = auth.server_credentials(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
     if not api_keys and not link_security.is_loopback_endpoint(f"tcp://{_bracketed(args.host)}:{args.port or 1}"):

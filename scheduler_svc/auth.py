@@ -1,7 +1,7 @@
 """Who may call pagoda.v1.Generation: API keys (with tenants) and TLS for the gRPC server.
 
-API keys. `--api-key KEY` (repeatable) and `--api-key-file PATH` (lines `key` or `key tenant`;
-`#` comments) make every pagoda.v1.Generation and vllm.grpc.engine.VllmEngine RPC require metadata
+API keys. `--api-key KEY` (repeatable) and `--api-key-file PATH` (lines `key`, `key tenant` or
+`key tenant admin`; `#` comments) make every pagoda.v1.Generation and vllm.grpc.engine.VllmEngine RPC require metadata
 `authorization: Bearer <key>`; without one, or with an unknown one, the RPC ends with
 UNAUTHENTICATED before the servicer runs. grpc.health.v1 and server reflection stay open,
 so load balancers and probes need no key. A key is compared with every configured key
@@ -16,6 +16,11 @@ own. The engine reads the caller's tenant with `current_tenant()` (a context var
 interceptor sets around the handler), so every servicer on the server gets the same rules.
 Refusals are logged at most once per REFUSAL_LOG_INTERVAL_S, counted: a keyless flood is
 no flood of log lines.
+
+Admin keys. A key file's line `key tenant admin` marks an operator's key: only such a key may
+call what acts on every tenant at once (`VllmEngine.FlushCache` empties every tenant's prefix
+cache); another key gets PERMISSION_DENIED (`caller_is_admin()`). `--api-key` keys are never
+admin. Without keys there are no tenants, and every caller is the operator.
 
 TLS. `--ssl-certfile` + `--ssl-keyfile` serve TLS; `--ssl-ca-certs` adds mutual TLS: clients
 must present a certificate signed by that CA.
@@ -42,11 +47,19 @@ PROTECTED_PREFIXES = ("/pagoda.v1.Generation/", "/vllm.grpc.engine.VllmEngine/")
 # must not become a flood of log lines.
 REFUSAL_LOG_INTERVAL_S = 10.0
 _TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("pagoda_tenant", default="")
+# True where no interceptor runs (keys off); with keys, set for every RPC from its key.
+_ADMIN: contextvars.ContextVar[bool] = contextvars.ContextVar("pagoda_admin", default=True)
+ADMIN_MARK = "admin"
 
 
 def current_tenant() -> str:
     """The tenant of the API key of the RPC being served ("" when keys are off)."""
     return _TENANT.get()
+
+
+def caller_is_admin() -> bool:
+    """Whether the RPC being served came with an admin key (every caller when keys are off)."""
+    return _ADMIN.get()
 
 
 def prefix_cache_salt(tenant: str, cache_salt: str) -> str:
@@ -60,27 +73,30 @@ def prefix_cache_salt(tenant: str, cache_salt: str) -> str:
 class ApiKey:
     key: bytes
     tenant: str
+    admin: bool = False
 
 
 def load_api_keys(keys: list[str] | None, key_file: str | None) -> list[ApiKey]:
     """The keys of `--api-key` and `--api-key-file`; ValueError on an empty or malformed entry."""
-    entries: list[tuple[str, str | None, str]] = [(key, None, "--api-key") for key in keys or ()]
+    entries: list[tuple[str, str | None, bool, str]] = [(key, None, False, "--api-key") for key in keys or ()]
     if key_file:
         for number, line in enumerate(Path(key_file).read_text().splitlines(), 1):
             fields = line.split("#", 1)[0].split()
             if not fields:
                 continue
-            if len(fields) > 2:
-                raise ValueError(f"{key_file}:{number}: expected `key` or `key tenant`, got {len(fields)} fields")
-            entries.append((fields[0], fields[1] if len(fields) == 2 else None, f"{key_file}:{number}"))
+            where = f"{key_file}:{number}"
+            if len(fields) > 3 or (len(fields) == 3 and fields[2] != ADMIN_MARK):
+                raise ValueError(f"{where}: expected `key`, `key tenant` or `key tenant {ADMIN_MARK}`, "
+                                 f"got {len(fields)} fields")
+            entries.append((fields[0], fields[1] if len(fields) >= 2 else None, len(fields) == 3, where))
     out = []
-    for key, tenant, where in entries:
+    for key, tenant, admin, where in entries:
         key = key.strip()
         if len(key) < 16:
             raise ValueError(f"{where}: an API key must have at least 16 characters")
         if tenant is None:  # a tenant of its own, named without revealing the key
             tenant = "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
-        out.append(ApiKey(key.encode(), tenant))
+        out.append(ApiKey(key.encode(), tenant, admin))
     return out
 
 
@@ -104,23 +120,28 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         self._num_refused = 0
         self._last_refusal_log = -math.inf
 
-    def tenant_of(self, token: bytes | None) -> str | None:
-        """The tenant of `token`, None if it is no key. Looks at every key whatever matches."""
+    def key_of(self, token: bytes | None) -> ApiKey | None:
+        """The entry of `token`, None if it is no key. Looks at every key whatever matches."""
         found = None
         for entry in self._keys:
             if hmac.compare_digest(entry.key, token or b"") and found is None:
-                found = entry.tenant
+                found = entry
         return found if token else None
+
+    def tenant_of(self, token: bytes | None) -> str | None:
+        """The tenant of `token`, None if it is no key."""
+        entry = self.key_of(token)
+        return entry.tenant if entry else None
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(PROTECTED_PREFIXES):
             return handler
-        tenant = self.tenant_of(_bearer(handler_call_details.invocation_metadata))
-        if tenant is None:
+        entry = self.key_of(_bearer(handler_call_details.invocation_metadata))
+        if entry is None:
             self._log_refusal(handler_call_details.method)
             return _refusing(handler)
-        return _with_tenant(handler, tenant)
+        return _with_tenant(handler, entry.tenant, entry.admin)
 
     def _log_refusal(self, method: str) -> None:
         self._num_refused += 1
@@ -149,14 +170,16 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     raise TypeError("the protected services have only unary-unary and unary-stream RPCs")
 
 
-def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodHandler:
-    """`handler` with `current_tenant()` set while it runs (in its own task, so in the handler itself)."""
+def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str, admin: bool) -> grpc.RpcMethodHandler:
+    """`handler` with `current_tenant()` and `caller_is_admin()` set while it runs (in its own task,
+    so in the handler itself)."""
     codecs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.unary_stream:
         inner_stream = handler.unary_stream
 
         async def stream(request, context):
             _TENANT.set(tenant)
+            _ADMIN.set(admin)
             async for response in inner_stream(request, context):
                 yield response
 
@@ -166,6 +189,7 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodH
 
         async def unary(request, context):
             _TENANT.set(tenant)
+            _ADMIN.set(admin)
             return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary, **codecs)

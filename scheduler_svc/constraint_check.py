@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import resource
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -174,7 +175,12 @@ class _CompileProcess:
 
 
 def _child_main(conn, model_dir: str, memory_bytes: int) -> None:
-    """The child: build the compiler, cap the address space, then compile each request it gets."""
+    """The child: build the compiler, cap the address space, then compile each request it gets.
+
+    A terminal's Ctrl-C reaches the whole process group, this child too: it ignores SIGINT, and
+    ends when its parent stops it or goes away (its pipe closes), so no KeyboardInterrupt
+    traceback is printed while the scheduler shuts down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import xgrammar as xgr
 

@@ -16,6 +16,14 @@ characters is tokenized in a child process (`TokenizeProcess`, started on first 
 lower CPU priority): it returns the ids packed as bytes, or for Tokenize the serialized reply
 or only its size, so that the scheduler's process converts nothing it does not keep.
 
+Bounded before work: a text (or chat) is refused by its characters first (Generate: more than
+`max_model_len` tokens could hold, `validation.check_fields`; Tokenize: more than its token limit
+could), then by its tokens, counted in pieces so that a text over the limit is refused having
+tokenized about the limit's worth of it (`tokenizer.encode_at_most`). Generate's token limit is
+`max_model_len - 1` (room for one generated token); Tokenize's is `tokenize_max_tokens`, the
+larger of `max_model_len` and MAX_TOKENIZE_TOKENS, so that Tokenize can still count a text too
+long for the model.
+
 A reply larger than a default gRPC client receives (4 MiB) is refused with
 RESOURCE_EXHAUSTED, naming the size, instead of failing on the client's side.
 """
@@ -27,6 +35,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import signal
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -36,8 +45,10 @@ from transformers import PreTrainedTokenizerBase
 
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
-from scheduler_svc.tokenizer import ModelSpec, encode_text, load_tokenizer
-from scheduler_svc.validation import GenerateParams, build_params, chat_token_ids, check_fields, prompt_token_ids
+from scheduler_svc.tokenizer import ModelSpec, TooManyTokens, encode_text, load_tokenizer
+from scheduler_svc.validation import (
+    GenerateParams, build_params, chat_token_ids, check_fields, counted_chars, prompt_token_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +61,10 @@ PROMPT_THREADS = 2
 OFFLOAD_CHARS = 100_000
 # The child's nice(2) increment: a huge request waits for CPU rather than running streams.
 CHILD_NICENESS = 10
+# Tokenize answers texts of up to this many tokens (or max_model_len, if larger): the longest
+# context of the families served (Llama 3.1's 131,072), so no prompt a model can read is refused,
+# while a 4 MB text (680,000 tokens) is refused after tokenizing a fifth of it.
+MAX_TOKENIZE_TOKENS = 131_072
 
 
 class PromptWorker:
@@ -67,6 +82,7 @@ class PromptWorker:
         self.spec = spec
         self.max_model_len = max_model_len
         self.offload_chars = offload_chars
+        self.tokenize_max_tokens = max(max_model_len, MAX_TOKENIZE_TOKENS)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self._child = TokenizeProcess(model_dir, self._pool) if model_dir is not None else None
 
@@ -91,19 +107,19 @@ class PromptWorker:
         else:
             sampling = check_fields(req, self.spec, self.max_model_len)
         if self._offload(req):
-            packed = await self._child.run(_child_prompt_ids, req.SerializeToString())
-            ids = array.array("I", packed)  # a count is all build_params needs to refuse a long one
-            ids = ids.tolist() if len(ids) <= self.max_model_len else ids
+            packed = await self._child.run(_child_prompt_ids, req.SerializeToString(), self.max_model_len)
+            ids = array.array("I", packed).tolist()  # at most max_model_len - 1: prompt_token_ids refuses more
         else:
-            ids = await self._run(prompt_token_ids, req, self.tokenizer, self.spec.vocab_size)
+            ids = await self._run(prompt_token_ids, req, self.tokenizer, self.spec.vocab_size, self.max_model_len)
         return build_params(req, sampling, ids, self.spec, self.max_model_len)
 
     async def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        self._check_tokenize_chars(req)
         if self._offload(req):
-            size, count, data = await self._child.run(_child_tokenize, req.SerializeToString())
+            size, count, data = await self._child.run(_child_tokenize, req.SerializeToString(), self.tokenize_max_tokens)
             reply = None if size > MAX_REPLY_BYTES else await self._run(pb.TokenizeResponse.FromString, data)
         else:
-            reply = await self._run(_tokenize, self.tokenizer, req)
+            reply = await self._run(_tokenize, self.tokenizer, req, self.tokenize_max_tokens)
             size, count = reply.ByteSize(), len(reply.token_ids)
         if size > MAX_REPLY_BYTES:
             raise ResourceExhausted(
@@ -112,21 +128,39 @@ class PromptWorker:
             )
         return reply
 
+    def _check_tokenize_chars(self, req: pb.TokenizeRequest) -> None:
+        """Characters first: a text that even at `spec.max_token_chars` a token has more tokens
+        than Tokenize answers (as `validation.check_fields` bounds a prompt)."""
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            num_chars = len(req.text)
+        elif kind == "chat":
+            num_chars = sum(len(m.content) for m in req.chat.messages)
+        else:
+            return
+        limit = self.tokenize_max_tokens * self.spec.max_token_chars
+        if num_chars > limit and (kind == "chat" or counted_chars(req.text, self.spec) > limit):
+            raise InvalidArgument(kind, f"{num_chars} characters are more than Tokenize's {self.tokenize_max_tokens} "
+                                        f"tokens can hold (at most {limit})")
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._child is not None:
             self._child.close()
 
 
-def _tokenize(tokenizer: PreTrainedTokenizerBase, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
+def _tokenize(tokenizer: PreTrainedTokenizerBase, req: pb.TokenizeRequest, max_tokens: int) -> pb.TokenizeResponse:
     kind = req.WhichOneof("prompt")
-    if kind == "text":
-        ids = encode_text(tokenizer, req.text)
-    elif kind == "chat":
-        add = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
-        ids = chat_token_ids(req.chat, tokenizer, "chat", add)
-    else:
-        raise InvalidArgument("prompt", "one of text or chat is required")
+    try:
+        if kind == "text":
+            ids = encode_text(tokenizer, req.text, max_tokens)
+        elif kind == "chat":
+            add = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
+            ids = chat_token_ids(req.chat, tokenizer, "chat", add, max_tokens)
+        else:
+            raise InvalidArgument("prompt", "one of text or chat is required")
+    except TooManyTokens as exc:
+        raise InvalidArgument(kind, f"{exc}: more than the {max_tokens} Tokenize answers") from None
     return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
 
 
@@ -184,6 +218,7 @@ _child_tokenizer: PreTrainedTokenizerBase | None = None
 
 def _child_init(model_dir: str) -> None:
     global _child_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the scheduler stops us (close)
     try:
         os.nice(CHILD_NICENESS)
     except OSError:
@@ -191,20 +226,20 @@ def _child_init(model_dir: str) -> None:
     _child_tokenizer = load_tokenizer(Path(model_dir))
 
 
-def _child_prompt_ids(data: bytes) -> bytes | _ChildError:
+def _child_prompt_ids(data: bytes, max_model_len: int) -> bytes | _ChildError:
     """In the child: the GenerateRequest's prompt ids, packed as uint32."""
     req = pb.GenerateRequest.FromString(data)
     try:
-        ids = prompt_token_ids(req, _child_tokenizer, 2**32)  # vocab: only the token_ids prompt checks it
+        ids = prompt_token_ids(req, _child_tokenizer, 2**32, max_model_len)  # vocab: only the token_ids prompt checks it
     except ServiceError as exc:
         return _ChildError(exc)
     return array.array("I", ids).tobytes()
 
 
-def _child_tokenize(data: bytes) -> tuple[int, int, bytes] | _ChildError:
+def _child_tokenize(data: bytes, max_tokens: int) -> tuple[int, int, bytes] | _ChildError:
     """In the child: (the reply's size, its token count, the serialized reply or b"" when too large)."""
     try:
-        reply = _tokenize(_child_tokenizer, pb.TokenizeRequest.FromString(data))
+        reply = _tokenize(_child_tokenizer, pb.TokenizeRequest.FromString(data), max_tokens)
     except ServiceError as exc:
         return _ChildError(exc)
     size = reply.ByteSize()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,18 +87,90 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
+    tools: list[dict] | None = None, max_tokens: int | None = None,
 ) -> list[int]:
     """The template's token ids; tools and tool calls go to a template that reads them, and are
-    written in the Hermes form for one that does not (`scheduler_svc/chat.py`)."""
+    written in the Hermes form for one that does not (`scheduler_svc/chat.py`). More than
+    `max_tokens` tokens raise TooManyTokens (`encode_at_most`)."""
     if (tools or any("tool_calls" in m for m in messages)) and not uses_tools(tokenizer, tools):
         messages, tools = hermes(messages, tools), None
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return encode(tokenizer, text, add_special_tokens=False)
+    return encode_at_most(tokenizer, text, False, max_tokens)
 
 
-def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return encode(tokenizer, text, add_special_tokens=True)
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int | None = None) -> list[int]:
+    return encode_at_most(tokenizer, text, True, max_tokens)
+
+
+class TooManyTokens(Exception):
+    """A text has more tokens than allowed: `num_tokens` (exact), or at least that many in its
+    first `num_chars` characters (counted in pieces, the rest not read)."""
+
+    def __init__(self, num_tokens: int, num_chars: int, exact: bool):
+        self.num_tokens, self.num_chars, self.exact = num_tokens, num_chars, exact
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        if self.exact:
+            return f"{self.num_tokens} tokens"
+        return f"at least {self.num_tokens} tokens (counted in its first {self.num_chars} characters)"
+
+
+# A text longer than this many characters per allowed token is counted in pieces before it is
+# encoded. Text averages 3-6 characters a token (SmolLM2: README.md 3.0, "hello world " 6.0), so a
+# text that fits is counted first only when it is mostly long tokens (runs of spaces), and one that
+# does not fit is refused after about `max_tokens` tokens of work instead of all of its own.
+COUNT_ABOVE_CHARS_PER_TOKEN = 8
+# Pieces of about this many characters, cut just before a whitespace character that follows a
+# non-whitespace one (where regex and Metaspace pre-tokenizers split), searched for up to
+# CUT_SEARCH_CHARS further; a text without such a place is cut where the piece ends.
+PIECE_CHARS = 16_384
+CUT_SEARCH_CHARS = 1_024
+_CUT = re.compile(r"\S\s")
+# Tokens that the pieces' counts may exceed the whole text's by, per cut (a word split in two, a
+# prefix space added to a piece): subtracted, so that a text that fits is never refused.
+SLACK_PER_CUT = 4
+
+
+def encode_at_most(
+    tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool, max_tokens: int | None
+) -> list[int]:
+    """`encode`, refusing (TooManyTokens) a text of more than `max_tokens` tokens (None: no bound);
+    a long one (COUNT_ABOVE_CHARS_PER_TOKEN) is counted in pieces first, so it is refused having
+    encoded about `max_tokens` tokens of it, not all of it."""
+    if max_tokens is not None and len(text) > COUNT_ABOVE_CHARS_PER_TOKEN * max_tokens:
+        num_tokens, num_chars = tokens_at_least(tokenizer, text, add_special_tokens, max_tokens)
+        if num_tokens > max_tokens:
+            raise TooManyTokens(num_tokens, num_chars, exact=False)
+    ids = encode(tokenizer, text, add_special_tokens)
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise TooManyTokens(len(ids), len(text), exact=True)
+    return ids
+
+
+def tokens_at_least(
+    tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool, stop_above: int,
+    piece_chars: int = PIECE_CHARS,
+) -> tuple[int, int]:
+    """(a lower bound on the tokens of `text`, the characters read for it): the text is encoded in
+    pieces, the bound is the pieces' tokens less SLACK_PER_CUT a cut, and reading stops once the
+    bound passes `stop_above`."""
+    special = tokenizer.num_special_tokens_to_add(pair=False) if add_special_tokens else 0
+    counted, start, num_cuts = 0, 0, 0
+    while start < len(text):
+        end = len(text) if start + piece_chars >= len(text) else _cut(text, start + piece_chars)
+        counted += len(encode(tokenizer, text[start:end], add_special_tokens=False))
+        num_cuts += end < len(text)
+        bound = counted - SLACK_PER_CUT * num_cuts + special
+        if bound > stop_above:
+            return bound, end
+        start = end
+    return counted - SLACK_PER_CUT * num_cuts + special, len(text)
+
+
+def _cut(text: str, pos: int) -> int:
+    found = _CUT.search(text, pos - 1, pos + CUT_SEARCH_CHARS)
+    return found.start() + 1 if found else pos
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool) -> list[int]:

@@ -36,7 +36,7 @@ from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.core import fit_error
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.chat import template_input
-from scheduler_svc.tokenizer import ModelSpec, apply_chat_template, encode_text
+from scheduler_svc.tokenizer import ModelSpec, TooManyTokens, apply_chat_template, encode_text
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -76,7 +76,8 @@ def validate_generate(
 ) -> GenerateParams:
     """Every check, with the prompt tokenized inline (the server tokenizes off its event loop)."""
     checked = check_fields(req, spec, max_model_len)
-    return build_params(req, checked, prompt_token_ids(req, tokenizer, spec.vocab_size), spec, max_model_len)
+    ids = prompt_token_ids(req, tokenizer, spec.vocab_size, max_model_len)
+    return build_params(req, checked, ids, spec, max_model_len)
 
 
 def check_fields(req: pb.GenerateRequest, spec: ModelSpec, max_model_len: int) -> SamplingParams:
@@ -275,9 +276,9 @@ def _check_prompt_bound(req: pb.GenerateRequest, spec: ModelSpec, max_model_len:
             raise InvalidArgument("prompt.token_ids", f"{num} tokens leave no room to generate within max_model_len {max_model_len}")
         return
     if kind == "text":
-        chars, field = _counted_chars(req.text, spec), "prompt.text"
+        chars, field = counted_chars(req.text, spec), "prompt.text"
     elif kind == "chat":
-        chars, field = sum(_counted_chars(m.content, spec) for m in req.chat.messages), "prompt.chat"
+        chars, field = sum(counted_chars(m.content, spec) for m in req.chat.messages), "prompt.chat"
     else:
         return
     limit = max_prompt_chars(spec, max_model_len)
@@ -287,7 +288,7 @@ def _check_prompt_bound(req: pb.GenerateRequest, spec: ModelSpec, max_model_len:
         )
 
 
-def _counted_chars(text: str, spec: ModelSpec) -> int:
+def counted_chars(text: str, spec: ModelSpec) -> int:
     """Characters of `text` that become tokens: those the tokenizer drops do not count."""
     return len(text) - sum(text.count(c) for c in spec.ignored_chars)
 
@@ -297,15 +298,25 @@ def max_prompt_chars(spec: ModelSpec, max_model_len: int) -> int:
     return max_model_len * spec.max_token_chars
 
 
-def prompt_token_ids(req: pb.GenerateRequest, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
-    """The prompt's token ids: tokenizes or applies the chat template (slow for long prompts)."""
+def prompt_token_ids(
+    req: pb.GenerateRequest, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int | None = None
+) -> list[int]:
+    """The prompt's token ids: tokenizes or applies the chat template (slow for long prompts).
+
+    With `max_model_len`, a text or chat of `max_model_len` tokens or more (no room to generate) is
+    refused having tokenized about that many of it (`tokenizer.encode_at_most`), not all of it.
+    """
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidArgument("prompt", "one of text, token_ids or chat is required")
+    max_tokens = None if max_model_len is None else max_model_len - 1
     if kind == "text":
         if not req.text:
             raise InvalidArgument("prompt.text", "must not be empty")
-        return encode_text(tokenizer, req.text)
+        try:
+            return encode_text(tokenizer, req.text, max_tokens)
+        except TooManyTokens as exc:
+            raise InvalidArgument("prompt.text", _no_room(exc, max_model_len)) from None
     if kind == "token_ids":
         ids = list(req.token_ids.ids)
         if not ids:
@@ -314,12 +325,25 @@ def prompt_token_ids(req: pb.GenerateRequest, tokenizer: PreTrainedTokenizerBase
         if bad is not None:
             raise InvalidArgument("prompt.token_ids", f"token id {bad} is outside the vocabulary ({vocab_size})")
         return ids
-    return chat_token_ids(req.chat, tokenizer, "prompt.chat")
+    try:
+        return chat_token_ids(req.chat, tokenizer, "prompt.chat", max_tokens=max_tokens)
+    except TooManyTokens as exc:
+        raise InvalidArgument("prompt.chat", _no_room(exc, max_model_len)) from None
 
 
-def chat_token_ids(chat: pb.Chat, tokenizer: PreTrainedTokenizerBase, field: str, add_generation_prompt: bool = True) -> list[int]:
+def _no_room(exc: TooManyTokens, max_model_len: int) -> str:
+    return f"{exc} leave no room to generate within {max_model_len} tokens (max_model_len)"
+
+
+def chat_token_ids(
+    chat: pb.Chat, tokenizer: PreTrainedTokenizerBase, field: str, add_generation_prompt: bool = True,
+    max_tokens: int | None = None,
+) -> list[int]:
+    """The chat template's token ids; more than `max_tokens` raise TooManyTokens."""
     messages, tools = template_input(chat, field)
     try:
-        return apply_chat_template(tokenizer, messages, add_generation_prompt, tools)
+        return apply_chat_template(tokenizer, messages, add_generation_prompt, tools, max_tokens)
+    except TooManyTokens:
+        raise
     except Exception as exc:  # a template may reject a role order, say
         raise InvalidArgument(f"{field}.messages", f"the chat template rejected them: {exc}") from exc

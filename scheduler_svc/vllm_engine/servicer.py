@@ -15,7 +15,7 @@ TLS and message limits (the server's interceptor and options cover both), so SMG
     GetServerInfo      block_size, kv_cache_dtype "auto", max_num_seqs over all executors, ...
     GetLoads           one SchedulerLoad (rank 0) from loads.py
     GetTokenizer       the tokenizer files as SMG's zip bundle, 64 KiB chunks, sha256 on the last
-    FlushCache         empty every executor's prefix cache once the scheduler is idle
+    FlushCache         empty every executor's prefix cache once the scheduler is idle (admin keys only)
     SubscribeKvEvents  the prefix caches' blocks (kv_events.py), the load record on each batch
                        and as heartbeats (smg_grpc_servicer.load_record, SMG's own pacing)
     Embed, StartProfile, StopProfile   UNIMPLEMENTED, saying why
@@ -41,7 +41,7 @@ from smg_grpc_servicer.tokenizer_bundle import tokenizer_bundle, tokenizer_chunk
 
 from pagoda import __version__
 from pagoda.v1 import generation_pb2 as pb
-from scheduler_svc.auth import current_tenant, prefix_cache_salt
+from scheduler_svc.auth import caller_is_admin, current_tenant, prefix_cache_salt
 from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServiceError
@@ -64,6 +64,9 @@ class Admission(Protocol):
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # What a FlushCache with timeout_s 0 waits at most (vLLM's servicer bounds its one attempt alike).
 FLUSH_RETRY_S = 0.05
+# The longest FlushCache waits for the scheduler to go idle: a longer wait holds an RPC (and
+# retries every FLUSH_RETRY_S) for nothing a caller cannot do by calling again.
+MAX_FLUSH_TIMEOUT_S = 60.0
 
 
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
@@ -193,10 +196,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     # ---- the prefix cache ---------------------------------------------------------------
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest, context) -> common_pb2.FlushCacheResponse:
-        timeout_s = request.timeout_s
-        if not math.isfinite(timeout_s) or timeout_s < 0:
+        if not caller_is_admin():
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be finite and >= 0, got {timeout_s}"
+                grpc.StatusCode.PERMISSION_DENIED,
+                "FlushCache empties every tenant's prefix cache: it needs an admin key "
+                "(`key tenant admin` in --api-key-file)",
+            )
+        timeout_s = request.timeout_s
+        if not (math.isfinite(timeout_s) and 0 <= timeout_s <= MAX_FLUSH_TIMEOUT_S):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be in [0, {MAX_FLUSH_TIMEOUT_S:g}], got {timeout_s}"
             )
         deadline = time.monotonic() + timeout_s
         while True:

@@ -35,6 +35,7 @@ ALICE = "alice-key-0123456789abcdef"
 ALICE_2 = "alice-key-2-0123456789abcdef"
 BOB = "bob-key-0123456789abcdef"
 LONE = "lone-key-0123456789abcdef"  # no tenant named: a tenant of its own
+OPERATOR = "operator-key-0123456789abcdef"  # the admin key
 # 160 tokens: ten full blocks of 16, the same for every tenant
 LONG_PROMPT = [(i * 37) % 1000 + 100 for i in range(160)]
 
@@ -55,7 +56,7 @@ def pki(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(pki, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"
-    key_file.write_text(f"# key tenant\n{ALICE} alice\n{ALICE_2} alice\n{BOB} bob\n{LONE}\n")
+    key_file.write_text(f"# key tenant\n{ALICE} alice\n{ALICE_2} alice\n{BOB} bob\n{LONE}\n{OPERATOR} ops admin\n")
     tls = ["--ssl-certfile", str(pki.server_cert), "--ssl-keyfile", str(pki.server_key)]
     creds = channel_credentials(str(pki.ca))
     with Service(
@@ -178,7 +179,24 @@ def test_every_vllm_engine_rpc_needs_a_valid_key(service, pki, rpc):
         with pytest.raises(grpc.RpcError) as err:
             VLLM_RPCS[rpc](vllm_stub_with(service, pki, key), timeout=30)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (rpc, key)
-    VLLM_RPCS[rpc](vllm_stub_with(service, pki, BOB), timeout=60)
+    VLLM_RPCS[rpc](vllm_stub_with(service, pki, OPERATOR if rpc == "FlushCache" else BOB), timeout=60)
+
+
+def test_only_an_admin_key_flushes_every_tenants_cache_and_its_wait_is_bounded(service, pki):
+    """Issue #43: any tenant could empty every tenant's prefix cache, and make the RPC wait as long as it liked."""
+    before = sum(e.num_cached_blocks for e in service.server_info().executors)
+    for key in (ALICE, BOB, LONE):
+        with pytest.raises(grpc.RpcError) as err:
+            vllm_stub_with(service, pki, key).FlushCache(common_pb2.FlushCacheRequest(timeout_s=1), timeout=30)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "admin key" in err.value.details(), key
+    assert sum(e.num_cached_blocks for e in service.server_info().executors) == before
+    admin = vllm_stub_with(service, pki, OPERATOR)
+    for timeout_s in (61.0, 1e9, float("inf")):
+        with pytest.raises(grpc.RpcError) as err:
+            admin.FlushCache(common_pb2.FlushCacheRequest(timeout_s=timeout_s), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "timeout_s: must be in [0, 60]" in err.value.details()
+    assert admin.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10), timeout=30).success
 
 
 def stored_token_ids(batches) -> list[tuple[int, ...]]:

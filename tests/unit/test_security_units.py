@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import threading
 
 import pytest
@@ -43,6 +44,45 @@ def test_both_sides_derive_the_same_working_keys_and_other_secrets_differ(tmp_pa
     (tmp_path / "short").write_text("abc\n")
     with pytest.raises(ValueError, match="at least 32"):
         link_security.read_cluster_secret(tmp_path / "short")
+
+
+@pytest.mark.parametrize("text, why", [
+    ("a" * 64, "repeats a pattern of 1"),
+    ("0123456789abcdef" * 4, "repeats a pattern of 16"),
+    ("passwordpassword" * 2 + "pass", "repeats a pattern of 8"),
+    ("a" * 16 + "b" * 16 + "c" * 8, "bits, fewer than 80"),
+])
+def test_a_weak_cluster_secret_is_refused_naming_the_override(tmp_path, caplog, text, why):
+    path = tmp_path / "s"
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match=why) as err:
+        link_security.read_cluster_secret(path)
+    assert "--allow-insecure-cluster-secret" in str(err.value)
+    assert "PAGODA_ALLOW_INSECURE_CLUSTER_SECRET" in str(err.value)
+    assert link_security.read_cluster_secret(path, allow_insecure=True) == text.encode()
+    assert "INSECURE" in caplog.text
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o640])
+def test_a_cluster_secret_other_users_may_read_is_refused(tmp_path, monkeypatch, mode):
+    path = link_security.make_cluster_secret(tmp_path / "s")
+    path.chmod(mode)
+    monkeypatch.setattr(link_security, "_private_group", lambda gid: False)  # a group others are in
+    with pytest.raises(ValueError, match=f"may read or write it \\(mode {mode:o}\\).*--allow-insecure-cluster-secret"):
+        link_security.read_cluster_secret(path)
+    assert len(link_security.read_cluster_secret(path, allow_insecure=True)) == 64
+    if not mode & 0o007:  # the group's bits only: fine for a group nobody else is in (a pod's fsGroup)
+        monkeypatch.setattr(link_security, "_private_group", lambda gid: True)
+        assert len(link_security.read_cluster_secret(path)) == 64
+
+
+def test_random_secrets_pass_even_the_shortest():
+    rng = random.Random(43)
+    for num_bytes in (16, 24, 32):  # 32 hex digits (the least accepted) up to make_cluster_secret's 64
+        texts = (rng.randbytes(num_bytes).hex() for _ in range(20_000))
+        weak = [text for text in texts if link_security.secret_weakness(text)]
+        assert not weak, weak[:3]
 
 
 @pytest.mark.parametrize(
@@ -131,6 +171,19 @@ def test_api_key_file_and_tenants(tmp_path):
         load_api_keys(None, str(path))
     path.write_text("key-aaaaaaaaaaaaaaaa a b\n")
     with pytest.raises(ValueError, match=":1: expected"):
+        load_api_keys(None, str(path))
+
+
+def test_only_a_key_marked_admin_in_the_file_is_an_admin(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("key-aaaaaaaaaaaaaaaa ops admin\nkey-bbbbbbbbbbbbbbbb admin\nkey-cccccccccccccccc\n")
+    keys = {k.key: k for k in load_api_keys(["key-dddddddddddddddd"], str(path))}
+    assert keys[b"key-aaaaaaaaaaaaaaaa"].admin and keys[b"key-aaaaaaaaaaaaaaaa"].tenant == "ops"
+    assert not keys[b"key-bbbbbbbbbbbbbbbb"].admin and keys[b"key-bbbbbbbbbbbbbbbb"].tenant == "admin"  # a tenant's name
+    assert not keys[b"key-cccccccccccccccc"].admin and not keys[b"key-dddddddddddddddd"].admin
+    assert ApiKeyInterceptor(list(keys.values())).key_of(b"key-aaaaaaaaaaaaaaaa").admin
+    path.write_text("key-aaaaaaaaaaaaaaaa ops root\n")
+    with pytest.raises(ValueError, match="key tenant admin"):
         load_api_keys(None, str(path))
 
 
