@@ -31,7 +31,6 @@ another base (`lora_A` / `lora_B` of a module), biases (`bias`), a layer the mod
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -43,20 +42,11 @@ from torch import nn
 
 from executor_svc.model import DecoderModel
 from executor_svc.models import family
+from pagoda.lora_files import LoraError, parse_adapter_config, read_adapter_files
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHT_FILES = ("adapter_model.safetensors",)
 # the modules an adapter may target, by their checkpoint names (Phi-3 stores qkv_proj / gate_up_proj merged)
 ADAPTABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 _PREFIX = "base_model.model."  # PEFT's name of the wrapped model's root
-
-
-class LoraError(ValueError):
-    """An adapter that cannot be applied to this model; `field` names what is wrong."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass
@@ -152,7 +142,7 @@ class LoraState:
 @dataclass
 class Adapter:
     name: str
-    path: Path
+    path: Path | None  # (sent over the link: no path)
     id: int
     rank: int
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # projection's module name -> (A, B)
@@ -170,58 +160,18 @@ def _pattern_value(patterns: dict, key: str, default):
     return default
 
 
-def read_adapter_config(path: Path, max_rank: int) -> dict:
-    """The folder's adapter_config.json, checked for what the decoder can apply."""
-    config_file = path / CONFIG_FILE
-    if not path.is_dir():
-        raise LoraError("lora_path", f"{path} is not a folder")
-    if not config_file.is_file():
-        raise LoraError("lora_path", f"{path} has no {CONFIG_FILE}")
+def adapter_slices(config_json: bytes, weights: bytes, model: DecoderModel, max_rank: int) -> dict[str, list[_Slice]]:
+    """An adapter's files (adapter_config.json, adapter_model.safetensors) as slices per projection of
+    `model` (its module name), checked against the model's shapes; raises `LoraError` naming the
+    field, having loaded nothing."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    config = parse_adapter_config(config_json, max_rank)
     try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise LoraError(CONFIG_FILE, f"unreadable: {exc}") from None
-    if not isinstance(config, dict):
-        raise LoraError(CONFIG_FILE, "expected a JSON object")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise LoraError("peft_type", f"{config.get('peft_type')!r}: only LORA adapters are served")
-    if config.get("use_dora"):
-        raise LoraError("use_dora", "DoRA adapters are not supported")
-    if config.get("modules_to_save"):
-        raise LoraError("modules_to_save", f"{config['modules_to_save']}: only LoRA matrices are applied, no module is replaced")
-    if config.get("bias", "none") != "none":
-        raise LoraError("bias", f"{config['bias']!r}: adapters with biases are not supported")
-    if config.get("fan_in_fan_out"):
-        raise LoraError("fan_in_fan_out", "not supported (Conv1D bases)")
-    targets = config.get("target_modules") or []
-    if isinstance(targets, str):
-        targets = [targets]  # a regular expression: the weights say which modules it matched
-    for target in targets:
-        name = target.rsplit(".", 1)[-1]
-        if name in ("embed_tokens", "lm_head", "wte", "output"):
-            raise LoraError("target_modules", f"{target!r}: adapters on the embedding or the LM head are not supported")
-    ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
-    if any(not isinstance(r, int) or r < 1 for r in ranks):
-        raise LoraError("r", f"{ranks}: ranks must be positive integers")
-    if max(ranks) > max_rank:
-        raise LoraError("r", f"rank {max(ranks)} is above --max-lora-rank {max_rank}")
-    return config
-
-
-def read_adapter(path: str | Path, model: DecoderModel, max_rank: int) -> dict[str, list[_Slice]]:
-    """The adapter of folder `path` as slices per projection of `model` (its module name), checked
-    against the model's shapes; raises `LoraError` naming the field, having loaded nothing."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    config = read_adapter_config(path, max_rank)
-    files = [path / n for n in WEIGHT_FILES if (path / n).is_file()]
-    if not files:
-        raise LoraError("lora_path", f"{path} has no {WEIGHT_FILES[0]}")
-    tensors: dict[str, torch.Tensor] = {}
-    with safe_open(str(files[0]), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-            tensors[key] = f.get_tensor(key)
+        tensors = load(weights)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise LoraError("adapter_model.safetensors", f"not a safetensors file: {exc}") from None
     c = model.config
     target_of = family(c.architecture).weight_target
     use_rslora = bool(config.get("use_rslora", False))
@@ -320,10 +270,15 @@ class LoraManager:
         model.lora = self.state
 
     def load(self, name: str, path: str | Path) -> Adapter:
-        """Read, check and install the adapter of `path` as `name` (replacing one of that name)."""
+        """Read, check and install the adapter of folder `path` as `name` (replacing one of that name)."""
+        files = read_adapter_files(name, path, self.max_lora_rank)
+        return self.load_files(name, files.config_json, files.weights, Path(path))
+
+    def load_files(self, name: str, config_json: bytes, weights: bytes, path: Path | None = None) -> Adapter:
+        """Check and install the adapter of these files as `name` (replacing one of that name)."""
         if not name:
             raise LoraError("lora_name", "empty")
-        slices = read_adapter(path, self.model, self.max_lora_rank)
+        slices = adapter_slices(config_json, weights, self.model, self.max_lora_rank)
         device = self.model.device
         weights = {}
         for owner_name, parts in slices.items():
@@ -331,7 +286,7 @@ class LoraManager:
             weights[owner_name] = (a.to(device), b.to(device))
         if name in self.adapters:
             self.unload(name)
-        adapter = Adapter(name, Path(path), self._next_id, max(p.a.shape[0] for s in slices.values() for p in s), weights)
+        adapter = Adapter(name, path, self._next_id, max(p.a.shape[0] for s in slices.values() for p in s), weights)
         self._next_id += 1
         for owner_name, ab in weights.items():
             self.modules[owner_name].adapters[adapter.id] = ab
@@ -357,6 +312,11 @@ class LoraManager:
         self.state.slot_of = slot_of
         for module in self.modules.values():
             module.stack(slots, self.model.dtype, self.model.device)
+
+    def clear(self) -> None:
+        """Unload every adapter (a new scheduler sends its own)."""
+        for name in list(self.adapters):
+            self.unload(name)
 
     def id_of(self, name: str) -> int:
         """The adapter id of `name` ("" is the base model: -1); KeyError when it is not loaded."""

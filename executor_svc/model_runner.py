@@ -236,7 +236,9 @@ class ModelRunner:
             pack_weights = can_pack_for_cpu(self._device, self.dtype) and self.quantization == "none"
         if pack_weights:
             self.model.pack_for_cpu()
-        self.loras = LoraManager(self.model, max_lora_rank, lora_kernels) if enable_lora else None
+        self.loras: LoraManager | None = None
+        if enable_lora:
+            self.enable_lora(max_lora_rank, lora_kernels)
         self.config = self.model.config
         self.kv_cache_groups = self._kv_cache_groups(kv_cache_groups)
         self.kv_cache_layout = KVCacheLayout(self.kv_cache_groups, self.config.num_layers)
@@ -431,18 +433,31 @@ class ModelRunner:
 
     # -- LoRA adapters --------------------------------------------------------------------
 
+    def enable_lora(self, max_lora_rank: int, kernels: bool | None = None) -> None:
+        """Wrap the projections for LoRA adapters (once; a later call only changes the rank allowed)."""
+        if self.loras is None:
+            self.loras = LoraManager(self.model, max_lora_rank, kernels)
+        self.loras.max_lora_rank = max_lora_rank
+
     def add_lora(self, name: str, path: str | Path) -> int:
         """Load the PEFT folder `path` as adapter `name` (`executor_svc.lora.LoraManager.load`); its bytes."""
+        return self._added(self._loras().load(name, path))
+
+    def add_lora_files(self, name: str, config_json: bytes, weights: bytes) -> int:
+        """The same from the folder's two files (as the scheduler sends them)."""
+        return self._added(self._loras().load_files(name, config_json, weights))
+
+    def _loras(self) -> LoraManager:
         if self.loras is None:
             raise LoraError("enable_lora", "LoRA adapters are off on this executor")
-        adapter = self.loras.load(name, path)
-        logger.info("LoRA adapter %r loaded from %s: rank %d, %.1f MiB", name, path, adapter.rank, adapter.nbytes / 2**20)
+        return self.loras
+
+    def _added(self, adapter) -> int:
+        logger.info("LoRA adapter %r loaded: rank %d, %.1f MiB", adapter.name, adapter.rank, adapter.nbytes / 2**20)
         return adapter.nbytes
 
     def remove_lora(self, name: str) -> None:
-        if self.loras is None:
-            raise LoraError("enable_lora", "LoRA adapters are off on this executor")
-        self.loras.unload(name)
+        self._loras().unload(name)
 
     def _drop(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

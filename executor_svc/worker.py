@@ -101,6 +101,7 @@ class Worker:
             if config is None:
                 return 0 if self._drain_signalled else 1
             self._runner = self._runner_factory(config)
+            self._apply_lora_config(config)
             freeze_startup_heap("executor")
             heartbeat.start()
             while True:
@@ -113,6 +114,7 @@ class Worker:
                 config = outcome if outcome is not None else self._handshake_config()
                 if config is None:
                     return 0 if self._drain_signalled else 1
+                self._apply_lora_config(config)
         finally:
             self._stop.set()
             if heartbeat.is_alive():
@@ -274,6 +276,34 @@ class Worker:
             elif kind == "shutdown":
                 log.info("scheduler asked us to stop: %s", msg.shutdown.reason)
                 return 0
+            elif kind in ("load_lora", "unload_lora"):
+                self._send(lora_status=self._lora(msg))
+
+    def _apply_lora_config(self, config: pb.ExecutorConfig) -> None:
+        """A scheduler's LoRA settings: adapters on (none loaded yet: it sends its own) or off."""
+        if config.enable_lora:
+            try:
+                self._runner.enable_lora(config.max_lora_rank or 64)
+            except ValueError as exc:  # (tensor parallelism): its adapters' requests fail here, never run on the base
+                log.error("LoRA adapters cannot run here: %s", exc)
+        if getattr(self._runner, "loras", None) is not None:
+            self._runner.loras.clear()
+
+    def _lora(self, msg: pb.SchedulerMessage) -> pb.LoraStatus:
+        """Load or unload an adapter as the scheduler says; its status (an error names the field)."""
+        from pagoda.lora_files import LoraError
+
+        load = msg.WhichOneof("kind") == "load_lora"
+        name = msg.load_lora.name if load else msg.unload_lora.name
+        try:
+            if load:
+                self._runner.add_lora_files(name, msg.load_lora.config_json, msg.load_lora.weights)
+            else:
+                self._runner.remove_lora(name)
+        except LoraError as exc:
+            log.error("LoRA adapter %r: %s", name, exc)
+            return pb.LoraStatus(name=name, error=str(exc)[:MAX_ERROR_MESSAGE_CHARS])
+        return pb.LoraStatus(name=name)
 
     def _execute(self, plan_msg: pb.StepPlan) -> pb.StepResult:
         """The step's result; error messages cut to what the scheduler accepts (it bounds a message's size)."""

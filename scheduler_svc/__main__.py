@@ -18,6 +18,8 @@ from pagoda.gc_heap import freeze_startup_heap
 from scheduler_svc import auth
 from scheduler_svc.core import SpeculativeConfig
 from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.errors import ServiceError
+from scheduler_svc.lora_registry import parse_lora_modules
 from scheduler_svc.server import DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_MAX_REQUEST_BYTES, build_server
 from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
 
@@ -70,6 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p, "--step-timeout", type=float, default=120.0,
         help="seconds to wait for a step result before the executor is judged hung (generous: first steps compile kernels)",
     )
+    add_bool_flag(p, "--enable-lora", default=False, help="serve LoRA adapters (GenerateRequest.model, LoadLoraAdapter)")
+    add_flag(p, "--lora-modules", nargs="+", default=[], help="adapters served from the start: NAME=PATH ... (a PEFT "
+             "folder or a Hugging Face name ORG/ADAPTER); implies --enable-lora")
+    add_flag(p, "--max-loras", type=int, default=4, help="LoRA adapters in one step (the base model aside)")
+    add_flag(p, "--max-lora-rank", type=int, default=64, help="the largest LoRA rank an adapter may have")
+    add_flag(p, "--max-cpu-loras", type=int, default=None, help="LoRA adapters kept loaded; loading one more evicts the "
+             "least recently used idle one (default: 4 x --max-loras)")
     add_flag(p, "--speculative-method", default=None, choices=["ngram"], help="speculative decoding: ngram = prompt lookup drafts")
     add_flag(p, "--num-speculative-tokens", type=int, default=0, help="draft tokens per request and step (0 = off); turns async scheduling off")
     add_flag(p, "--prompt-lookup-min", type=int, default=2, help="shortest n-gram prompt lookup matches")
@@ -136,6 +145,19 @@ def parse_args(argv=None) -> argparse.Namespace:
             _refuse(p, f"--{flag.replace('_', '-')} must be a port number in [0, 65535], got {getattr(args, flag)}")
     if args.speculative_method and args.num_speculative_tokens <= 0:
         p.error("--speculative-method needs --num-speculative-tokens K (K >= 1)")
+    if isinstance(args.lora_modules, str):  # (from PAGODA_LORA_MODULES)
+        args.lora_modules = args.lora_modules.split()
+    try:
+        args.lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as error:
+        _refuse(p, str(error))
+    args.enable_lora = args.enable_lora or bool(args.lora_modules)
+    args.max_cpu_loras = 4 * args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+    for flag in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        if getattr(args, flag) < 1:
+            _refuse(p, f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.max_cpu_loras < len(args.lora_modules):
+        _refuse(p, f"--max-cpu-loras {args.max_cpu_loras} is fewer than the {len(args.lora_modules)} --lora-modules")
     if args.num_speculative_tokens:
         try:
             args.speculative = SpeculativeConfig(
@@ -256,6 +278,9 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
         vocab_size=spec.vocab_size,
         max_kv_blocks=max_kv_blocks(args, spec.kv_elements_per_token),
         step_timeout_s=args.step_timeout,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
     try:
         engine = Engine(config, tokenizer, args.executor_bind, link_keys=link_keys)
@@ -268,6 +293,16 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
     except StartupError:
         engine.pool.link.close()
         raise
+    if args.enable_lora:
+        registry = engine.enable_loras(model_files.model_name(args.model), args.max_cpu_loras)
+        for name, path in args.lora_modules:
+            try:
+                registry.register(registry.read(name, path))
+            except ServiceError as exc:
+                engine.pool.link.close()
+                raise StartupError(f"--lora-modules {name}={path}: {exc.message}") from None
+        log.info("LoRA adapters on (up to %d a step, rank <= %d): %s", args.max_loras, args.max_lora_rank,
+                 ", ".join(registry.names()) or "none loaded yet")
     engine.start()
     await server.start()
     freeze_startup_heap("scheduler")

@@ -127,6 +127,7 @@ class BeamSearch:
     params: BeamSearchParams
     priority: int = 0
     cache_salt: str = ""
+    lora: str = ""  # the LoRA adapter every beam runs with
     arrival_time: float = 0.0
     generation: int = field(default=0, init=False)
     done: bool = field(default=False, init=False)
@@ -170,6 +171,7 @@ class BeamSearch:
             arrival_time=self.arrival_time,
             is_beam=True,
             cache_salt=self.cache_salt,
+            lora=self.lora,
         )
 
     # ---- one generation -------------------------------------------------------------------

@@ -54,6 +54,7 @@ from scheduler_svc.executor_pool import (  # noqa: F401  (re-exported: the engin
     ExecutorHandle,
     ExecutorPool,
 )
+from scheduler_svc.lora_registry import LoraRegistry
 from scheduler_svc.metrics import ExecutorSnapshot, EngineSnapshot, Metrics
 from scheduler_svc.owners import BeamOwner, Owners, SampleOwner, initial_requests, owners_for
 from scheduler_svc.validation import GenerateParams
@@ -84,10 +85,22 @@ class Engine:
         self._tasks: list[asyncio.Task] = []
         self._strikes: dict[RequestKey, int] = {}  # client request -> failed executors it was in a step of
         self._num_requests_of: Counter[str] = Counter()  # tenant -> its requests in self.requests
+        self._requests_of_adapter: Counter[str] = Counter()  # LoRA adapter -> its requests in self.requests
+        self.loras: LoraRegistry | None = None  # `enable_loras`
         self._serial = itertools.count()
         self.draining = False  # set on SIGTERM: streams in flight finish, new requests are refused
 
     # ---- life cycle -------------------------------------------------------------------
+    def enable_loras(self, base_name: str, max_cpu_loras: int) -> LoraRegistry:
+        """LoRA adapters (the config's `enable_lora`): the registry every executor learns them from."""
+        alive = lambda: [h.executor_id for h in self.pool.alive]  # noqa: E731
+        self.loras = LoraRegistry(
+            self.config.max_lora_rank, max_cpu_loras, base_name, alive, self.pool.link.send,
+            lambda name: self._requests_of_adapter[name] > 0,
+        )
+        self.pool.loras = self.loras
+        return self.loras
+
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self.pool.link.serve()), asyncio.create_task(self._monitor())]
 
@@ -128,6 +141,8 @@ class Engine:
         owners = owners_for(stream, max_tokens, self.metrics, vocab_size=len(self.tokenizer))
         self.requests[key] = owners
         self._num_requests_of[tenant] += 1
+        if params.lora:
+            self._requests_of_adapter[params.lora] += 1
         group = initial_requests(owners)
         for owner, request in zip(owners, group, strict=True):
             self.owners.claim([request.req_id], owner)
@@ -246,6 +261,8 @@ class Engine:
         owners = self.requests.get(stream.key)
         if stream.done and owners and owners[0].stream is stream:  # (not a newer request of the same key)
             del self.requests[stream.key]
+            if stream.params.lora:
+                self._requests_of_adapter[stream.params.lora] -= 1
             self._num_requests_of[stream.tenant] -= 1
             if not self._num_requests_of[stream.tenant]:
                 del self._num_requests_of[stream.tenant]
@@ -338,6 +355,8 @@ class Engine:
         ahead = 1 if self.config.async_scheduling and self.config.speculative is None else 0
         in_flight: deque[tuple[StepPlan, asyncio.Future]] = deque()
         await self.pool.send_registered(handle)
+        if self.loras is not None:  # every adapter, before its first step
+            await self.loras.send_all(handle.executor_id)
         while handle.alive:
             if len(in_flight) <= ahead:
                 plan = handle.scheduler.schedule()

@@ -61,6 +61,10 @@ class EngineConfig:
     max_kv_blocks: int = 2**24  # largest num_kv_blocks a Register may announce
     step_timeout_s: float = 120.0  # a step result later than this: the executor is hung (#16)
     speculative: SpeculativeConfig | None = None  # draft tokens (async scheduling is then off)
+    # LoRA adapters (scheduler_svc/lora_registry.py): on, how many a step, their largest rank
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests"):
@@ -121,6 +125,7 @@ class ExecutorPool:
         self.num_preemptions_retired = 0  # preemptions counted by executors that are gone
         self._on_joined, self._on_lost = on_joined, on_lost
         self._shut_down: set[str] = set()  # judged hung and told to shut down: their heartbeats get no config
+        self.loras = None  # scheduler_svc.lora_registry.LoraRegistry with --enable-lora
         # a request's tokens in one step: its own, plus the drafts it verifies
         self._max_tokens_per_request = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
 
@@ -239,6 +244,8 @@ class ExecutorPool:
                 # the largest step this scheduler may plan (a GPU executor profiles its memory with it)
                 max_num_batched_tokens=self.config.max_num_batched_tokens or DEFAULT_GPU_STEP_BUDGET,
                 model_fingerprint=self.config.model_fingerprint,
+                enable_lora=self.config.enable_lora,
+                max_lora_rank=self.config.max_lora_rank,
             )
         )
 
@@ -266,6 +273,7 @@ class ExecutorPool:
                 speculative=self.config.speculative,
                 enable_kv_cache_events=self.config.enable_prefix_caching,  # drained every step (Engine._update)
                 kv_cache_groups=groups,
+                max_loras=self.config.max_loras if self.config.enable_lora else 0,
             )
         )
         handle = ExecutorHandle(executor_id, msg.device, core, last_seen=time.monotonic(), weight_bytes=msg.weight_bytes)
@@ -291,6 +299,10 @@ class ExecutorPool:
         if msg.num_kv_blocks > self.config.max_kv_blocks:
             return f"num_kv_blocks {msg.num_kv_blocks} exceeds the scheduler's --max-kv-blocks {self.config.max_kv_blocks}"
         return kv_cache_groups_problem(msg.kv_cache_groups)
+
+    def on_lora_status(self, executor_id: str, msg: xpb.LoraStatus) -> None:
+        if self.loras is not None and executor_id in self.executors:
+            self.loras.on_status(executor_id, msg.name, msg.error)
 
     def on_heartbeat(self, executor_id: str, msg: xpb.Heartbeat) -> None:
         handle = self.executors.get(executor_id)

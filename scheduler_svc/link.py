@@ -191,6 +191,8 @@ class ExecutorLink:
             self._listener.on_register(executor_id, body)
         elif kind == "goodbye":
             self._listener.on_goodbye(executor_id, body)
+        elif kind == "lora_status":
+            self._listener.on_lora_status(executor_id, body)
 
     def _drop(self, conn: str, reason: str, what: str) -> None:
         self.dropped.labels(reason).inc()

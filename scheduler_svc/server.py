@@ -16,6 +16,7 @@ same to any caller), and nothing one tenant can learn about another's requests f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.constraint_check import ConstraintChecker
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServiceError
+from scheduler_svc.lora_registry import FailedPrecondition, NotFound
 from scheduler_svc.prompts import MAX_REPLY_BYTES, PromptWorker
 from scheduler_svc.request_decoding import DecodeRequests
 from scheduler_svc.tokenizer import ModelSpec
@@ -58,7 +60,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         The one admission path of both APIs (`vllm.grpc.engine` translates its requests to ours first).
         """
         self.engine.check_admission()  # the tenant's share and the queue, before any work
+        lora = self._adapter(request.model)
         params = await self.prompts.generate_params(request)
+        if lora:
+            params = dataclasses.replace(params, lora=lora)
         if params.sampling.constraint is not None:
             await self.constraints.check(params.sampling.constraint)
         return params, self.engine.submit(params)  # under the caller's tenant (its cache salt too)
@@ -98,7 +103,35 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             vocab_size=self.spec.vocab_size,
             eos_token_ids=self.spec.eos_token_ids,
             block_size=self.engine.config.block_size,
+            lora_adapters=self.engine.loras.names() if self.engine.loras is not None else [],
         )
+
+    def _adapter(self, model: str) -> str:
+        """The adapter `GenerateRequest.model` names ("" for the base model); NOT_FOUND naming `model`."""
+        if self.engine.loras is not None:
+            return self.engine.loras.resolve(model)
+        if model and model != self.model_name:
+            raise NotFound("model", f"{model!r} is not the served model ({self.model_name!r}); LoRA adapters are off (--enable-lora)")
+        return ""
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoadLoraAdapterResponse:
+        try:
+            await self._loras().load(request.lora_name, request.lora_path)
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+        return pb.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context) -> pb.UnloadLoraAdapterResponse:
+        try:
+            await self._loras().unload(request.lora_name)
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+        return pb.UnloadLoraAdapterResponse()
+
+    def _loras(self):
+        if self.engine.loras is None:
+            raise FailedPrecondition("LoRA adapters are off on this server (start the scheduler with --enable-lora)")
+        return self.engine.loras
 
     async def GetServerInfo(self, request, context) -> pb.ServerInfo:
         return self.engine.server_info()

@@ -69,6 +69,7 @@ class GenerateParams:
     eos_token_ids: frozenset[int]
     beam_width: int = 1  # > 1: beam search, the n best of beam_width beams
     cache_salt: str = ""  # prefix-cache hits only among equal salts (the server adds the tenant)
+    lora: str = ""  # the LoRA adapter (GenerateRequest.model, resolved by the server), "" for the base model
 
 
 def validate_generate(
