@@ -382,3 +382,27 @@ def test_the_step_plan_carries_the_adapter():
                     num_scheduled_tokens={"r": 2})
     back = wire.plan_from_proto(pb.StepPlan.FromString(wire.plan_to_proto(plan).SerializeToString()))
     assert back.new_requests[0].lora == "sql"
+
+
+def test_drafts_are_verified_through_the_adapter(tmp_path, default_model_dir, prompt):
+    """Speculative decoding: a step verifies an adapter request's drafts (several of its rows) beside a
+    base request's: the adapter's own greedy tokens are accepted and its next one added, as PeftModel's."""
+    from pagoda.step import NewRequestData
+
+    base, a, _ = family_adapters("llama", tmp_path, default_model_dir)
+    runner = ModelRunner(base, device="cpu", dtype="float32", block_size=4, num_kv_blocks=64, enable_lora=True)
+    runner.add_lora("a", a)
+    adapted = hf_greedy(peft_reference(base, a), prompt, 5)
+    plain = hf_greedy(load_reference(base), prompt, 5)
+    assert adapted != plain
+    blocks = {"x": list(range(1, 16)), "y": list(range(16, 31))}
+    new = [NewRequestData("x", prompt, len(prompt), GREEDY, blocks["x"], 0, lora="a"),
+           NewRequestData("y", prompt, len(prompt), GREEDY, blocks["y"], 0)]
+    first = runner.execute(StepPlan(0, new_requests=new, num_scheduled_tokens={"x": len(prompt), "y": len(prompt)}))
+    assert {t.req_id: t.token_id for t in first.sampled} == {"x": adapted[0], "y": plain[0]}
+    drafts = {"x": adapted[1:4], "y": plain[1:4]}
+    second = runner.execute(StepPlan(1, num_scheduled_tokens={"x": 4, "y": 4}, scheduled_spec_decode_tokens=drafts))
+    out = {}
+    for token in second.sampled:
+        out.setdefault(token.req_id, []).append(token.token_id)
+    assert out == {"x": adapted[1:5], "y": plain[1:5]}  # every draft accepted, one token more each
