@@ -297,7 +297,7 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
         registry = engine.enable_loras(model_files.model_name(args.model), args.max_cpu_loras)
         for name, path in args.lora_modules:
             try:
-                registry.register(registry.read(name, path))
+                registry.register(name, path)
             except ServiceError as exc:
                 engine.pool.link.close()
                 raise StartupError(f"--lora-modules {name}={path}: {exc.message}") from None

@@ -11,10 +11,11 @@ on all of them and the RPC fails with the executor's reason (it names the field)
 An executor that fails one later (a new executor) fails that adapter's requests, never serves them
 from the base weights.
 
-At most `--max-cpu-loras` adapters are kept: loading one more evicts the least recently used that
-no request is using (RESOURCE_EXHAUSTED if every one is in use). Unloading (or evicting) stops new
-requests naming it at once (NOT_FOUND); the executors drop it once the requests in flight with it
-have finished.
+At most `--max-cpu-loras` adapters are loaded: loading one more evicts the least recently used
+that no request is using (RESOURCE_EXHAUSTED if every one is in use). An evicted adapter stays
+known by its path, as vLLM's: the next request naming it loads it again (from its path, evicting
+another) before it is queued. Unloading stops new requests naming it at once (NOT_FOUND). The
+executors drop an unloaded or evicted adapter once the requests in flight with it have finished.
 """
 
 from __future__ import annotations
@@ -75,17 +76,26 @@ class LoraRegistry:
         self.max_cpu_loras = max_cpu_loras
         self.base_name = base_name
         self._executors, self._send, self._in_use = executors, send, in_use
-        self.adapters: OrderedDict[str, AdapterFiles] = OrderedDict()
+        self.adapters: OrderedDict[str, AdapterFiles] = OrderedDict()  # loaded, least recently used first
+        self.paths: dict[str, str] = {}  # every adapter known (loaded or evicted) -> where it is read from
+        self._reloading: dict[str, asyncio.Future] = {}  # an evicted adapter being loaded again
         self.retiring: dict[str, AdapterFiles] = {}  # unloaded, still held by requests in flight
         self._waiting: dict[tuple[str, str], asyncio.Future] = {}  # (executor id, adapter) -> its LoraStatus error
 
     # ---- requests ---------------------------------------------------------------------------
-    def resolve(self, model: str) -> str:
-        """The adapter a request's `model` names ("" for the base model); NOT_FOUND naming `model`."""
+    async def acquire(self, model: str) -> str:
+        """The adapter a request's `model` names ("" for the base model), loaded again if it was evicted;
+        NOT_FOUND naming `model`."""
         if not model or model == self.base_name:
             return ""
+        if model not in self.paths:
+            raise NotFound("model", f"{model!r} is neither the base model ({self.base_name!r}) nor a LoRA adapter")
         if model not in self.adapters:
-            raise NotFound("model", f"{model!r} is neither the base model ({self.base_name!r}) nor a loaded LoRA adapter")
+            reloading = self._reloading.get(model)
+            if reloading is None:
+                reloading = self._reloading[model] = asyncio.ensure_future(self._load(model, self.paths[model]))
+                reloading.add_done_callback(lambda _: self._reloading.pop(model, None))
+            await asyncio.shield(reloading)
         self.adapters.move_to_end(model)
         return model
 
@@ -112,8 +122,12 @@ class LoraRegistry:
 
     async def load(self, name: str, path: str) -> None:
         """Register `name` and load it on every live executor; undone everywhere if any fails."""
-        if name in self.adapters:
+        if name in self.paths:
             raise AlreadyExists(f"lora_name: {name!r} is already loaded (unload it first)")
+        await self._load(name, path)
+        self.paths[name] = path
+
+    async def _load(self, name: str, path: str) -> None:
         files = self.read(name, path)
         if len(self.adapters) >= self.max_cpu_loras:
             self._evict_one()
@@ -129,17 +143,19 @@ class LoraRegistry:
         log.info("LoRA adapter %r loaded from %s (rank %d, %d bytes) on %d executors", name, files.path, files.rank,
                  len(files.weights), len(executors))
 
-    def register(self, files: AdapterFiles) -> None:
-        """(start-up, before any executor) `--lora-modules`: executors get it as they join."""
+    def register(self, name: str, path: str) -> None:
+        """(start-up, before any executor) `--lora-modules`: read and checked now; executors get it as they join."""
         if len(self.adapters) >= self.max_cpu_loras:
             raise ValueError(f"--lora-modules: {len(self.adapters) + 1} adapters, above --max-cpu-loras {self.max_cpu_loras}")
-        self.adapters[files.name] = files
+        self.adapters[name] = self.read(name, path)
+        self.paths[name] = path
 
     async def unload(self, name: str) -> None:
-        files = self.adapters.pop(name, None)
-        if files is None:
+        if self.paths.pop(name, None) is None:
             raise NotFound("lora_name", f"{name!r} is not loaded")
-        self._retire(name, files)
+        files = self.adapters.pop(name, None)
+        if files is not None:
+            self._retire(name, files)
 
     def _evict_one(self) -> None:
         idle = next((n for n in self.adapters if not self._in_use(n)), None)
@@ -158,7 +174,7 @@ class LoraRegistry:
             await asyncio.sleep(DRAIN_POLL_S)
         if self.retiring.get(name) is files:
             del self.retiring[name]
-        if name not in self.adapters:  # (not loaded again meanwhile)
+        if name not in self.adapters and name not in self._reloading:  # (not loaded again meanwhile)
             for executor_id in list(self._executors()):
                 await self._send(executor_id, _unload(name))
         log.info("LoRA adapter %r unloaded", name)
@@ -190,7 +206,8 @@ class LoraRegistry:
             log.error("executor %s cannot apply LoRA adapter %r: %s (its requests fail there)", executor_id, name, error)
 
     def names(self) -> list[str]:
-        return sorted(self.adapters)
+        """Every adapter a request may name (an evicted one is loaded again when asked for)."""
+        return sorted(self.paths)
 
 
 def _load(files: AdapterFiles):

@@ -60,7 +60,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         The one admission path of both APIs (`vllm.grpc.engine` translates its requests to ours first).
         """
         self.engine.check_admission()  # the tenant's share and the queue, before any work
-        lora = self._adapter(request.model)
+        lora = await self._adapter(request.model)
         params = await self.prompts.generate_params(request)
         if lora:
             params = dataclasses.replace(params, lora=lora)
@@ -106,10 +106,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             lora_adapters=self.engine.loras.names() if self.engine.loras is not None else [],
         )
 
-    def _adapter(self, model: str) -> str:
+    async def _adapter(self, model: str) -> str:
         """The adapter `GenerateRequest.model` names ("" for the base model); NOT_FOUND naming `model`."""
         if self.engine.loras is not None:
-            return self.engine.loras.resolve(model)
+            return await self.engine.loras.acquire(model)
         if model and model != self.model_name:
             raise NotFound("model", f"{model!r} is not the served model ({self.model_name!r}); LoRA adapters are off (--enable-lora)")
         return ""
