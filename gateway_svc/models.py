@@ -1,9 +1,12 @@
 """The models a gateway serves: the base model and the LoRA adapters its scheduler has loaded.
 
 - A request's `model` selects one: none, or the base's name (`GetModelInfo().name`), is the base;
-  any other name is sent as `GenerateRequest.model`, and the scheduler, which knows which adapters
-  are loaded now, answers NOT_FOUND naming `model` for one it does not hold (a 404
-  `model_not_found` here, `GatewayError.from_pagoda`).
+  any other name is sent as `GenerateRequest.model`. A name that the last `ModelInfo.lora_adapters`
+  lacks is asked about once more, and if the scheduler has not loaded it, it is a 404
+  `model_not_found` naming `model` before any Generate (so a scheduler without LoRA never answers
+  with the base under an adapter's name). The list may be stale the other way (an adapter
+  unloaded since): the scheduler's NOT_FOUND naming `model` is the same 404
+  (`GatewayError.from_pagoda`).
 - `GET /v1/models` lists the base and each adapter of `ModelInfo.lora_adapters` in vLLM's shape:
   an adapter's `parent` is the base's id. (`root` is vLLM's path of the weights; the gRPC API
   names adapters without their paths, so here it is the model's own name.)
@@ -19,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from gateway_svc.body import bearer, parse_body
+from gateway_svc.errors import GatewayError
 from gateway_svc.schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from pagoda.client import AsyncClient, ModelInfo
 
@@ -27,11 +31,12 @@ OWNED_BY = "pagoda"
 
 class ModelName:
     """The base model's name as GetModelInfo reports it, asked once (with the first caller's key)
-    and kept, and what a request's `model` selects."""
+    and kept, and what a request's `model` selects (the module docstring)."""
 
     def __init__(self, client: AsyncClient):
         self._client = client
         self._name: str | None = None
+        self._adapters: frozenset[str] = frozenset()  # as last reported: a hint, the scheduler decides
 
     async def get(self, api_key: str | None) -> str:
         if self._name is None:
@@ -44,6 +49,12 @@ class ModelName:
         name = await self.get(api_key)
         if not requested or requested == name:
             return name, None
+        if requested not in self._adapters:
+            self._adapters = frozenset((await self._client.model_info(api_key=api_key)).lora_adapters)
+            if requested not in self._adapters:
+                raise GatewayError(404, f"The model `{requested}` does not exist: neither `{name}` nor one of the "
+                                        "LoRA adapters loaded now (GET /v1/models lists them)",
+                                   param="model", code="model_not_found")
         return requested, requested
 
 

@@ -69,16 +69,38 @@ def test_the_base_name_or_no_model_is_the_base(stack, oai, servicer):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_adapter_not_loaded_is_404_naming_model(oai, servicer, stream):
+def test_an_adapter_not_loaded_is_404_naming_model_before_any_generate(oai, servicer, stream):
+    before = len(servicer.requests)
     with pytest.raises(openai.NotFoundError) as err:
         oai.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=2, stream=stream)
-    assert servicer.requests[-1].model == "nope"
     error = err.value.body
     assert error["param"] == "model" and error["code"] == "model_not_found", error
-    assert error["message"] == "The model `nope` does not exist: no LoRA adapter named 'nope' is loaded", error
+    assert error["message"].startswith(f"The model `nope` does not exist: neither `{BASE}` nor"), error
     with pytest.raises(openai.NotFoundError) as err:
         oai.completions.create(model="nope", prompt="hi", max_tokens=2)
     assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+    assert len(servicer.requests) == before  # a scheduler without the adapter never answers with the base
+
+
+def test_an_adapter_loaded_since_the_gateway_last_looked_is_found(oai, servicer):
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="late", messages=MESSAGES, max_tokens=2)
+    servicer.adapters.append("late")  # loaded by another caller, straight at the scheduler
+    assert oai.chat.completions.create(model="late", messages=MESSAGES, max_tokens=2).model == "late"
+    assert servicer.requests[-1].model == "late"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_schedulers_not_found_naming_model_is_404_naming_model(oai, servicer, stream):
+    """An adapter unloaded since the gateway last looked: the scheduler's NOT_FOUND decides."""
+    servicer.adapters.append("gone")
+    oai.chat.completions.create(model="gone", messages=MESSAGES, max_tokens=2)
+    servicer.adapters.remove("gone")  # unloaded straight at the scheduler
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.chat.completions.create(model="gone", messages=MESSAGES, max_tokens=2, stream=stream)
+    assert servicer.requests[-1].model == "gone"
+    assert err.value.body == {"message": "The model `gone` does not exist: no LoRA adapter named 'gone' is loaded",
+                              "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
 
 
 # -- /v1/models --------------------------------------------------------------------------
