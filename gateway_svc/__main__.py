@@ -1,5 +1,6 @@
 """python -m gateway_svc: an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-/v1/models) in front of a Pagoda scheduler's gRPC API. Every flag also reads its PAGODA_* variable."""
+/v1/models; vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) in front of a Pagoda
+scheduler's gRPC API. Every flag also reads its PAGODA_* variable."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The FastAPI app: OpenAI's endpoints over one `AsyncClient`, plus /health and /metrics.
+"""The FastAPI app: OpenAI's endpoints over one `AsyncClient`, plus /health and /metrics; the
+models and LoRA adapters (`/v1/models`, what a request's `model` selects, vLLM's
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`) are `models`.
 
 A caller's `Authorization: Bearer <key>` is passed through to the scheduler as the gRPC
 call's key, so the scheduler's `--api-key` decides who may call; `admission.Admission` checks
@@ -20,11 +22,12 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 
-from gateway_svc.admission import Admission, KeyVerdicts, bearer_key
-from gateway_svc.errors import GatewayError, invalid_json, validation_error
+from gateway_svc.admission import Admission, KeyVerdicts
+from gateway_svc.body import bearer, parse_body
+from gateway_svc.errors import GatewayError, validation_error
 from gateway_svc.metrics import GatewayMetrics
+from gateway_svc.models import ModelName, models_router
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest
 from gateway_svc.tools import ToolDeltas, read_output, structured
 from gateway_svc.translate import (
@@ -48,30 +51,8 @@ _DISCONNECT_POLL_S = 0.25
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
-def _bearer(request: Request) -> str | None:
-    return bearer_key(request.scope)  # checked by Admission: printable ASCII
-
-
 def _is_chat(request: Request) -> bool:
     return request.url.path.endswith("/chat/completions")
-
-
-async def _parse(request: Request, model: type[BaseModel]):
-    """The request body as `model`; a body that is not JSON, or not a valid `model`, is a 400
-    naming the position or the field, and a field not supported yet is a 400 naming it."""
-    try:
-        data = json.loads(await request.body())
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
-        raise invalid_json(exc) from None
-    except RecursionError:
-        raise GatewayError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
-    try:
-        body = model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
-    if field := body.unsupported():
-        raise GatewayError(400, f"{field}: not supported by this server yet", param=field, code="unsupported_parameter")
-    return body
 
 
 def _user(body) -> str:
@@ -133,26 +114,6 @@ async def _until_disconnected(request: Request, coro):
         task.cancel()
 
 
-class ModelName:
-    """The name GetModelInfo reports, asked once (with the first caller's key) and kept."""
-
-    def __init__(self, client: AsyncClient):
-        self._client = client
-        self._name: str | None = None
-
-    async def get(self, api_key: str | None) -> str:
-        if self._name is None:
-            self._name = (await self._client.model_info(api_key=api_key)).name
-        return self._name
-
-    async def check(self, requested: str | None, api_key: str | None) -> str:
-        name = await self.get(api_key)
-        if requested and requested != name:
-            raise GatewayError(404, f"The model `{requested}` does not exist; this server serves `{name}`",
-                               param="model", code="model_not_found")
-        return name
-
-
 def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="Pagoda OpenAI-compatible gateway", docs_url=None, redoc_url=None)
     metrics = GatewayMetrics()
@@ -167,7 +128,8 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
     @app.exception_handler(PagodaError)
     async def _pagoda_error(request, exc: PagodaError):
         constraint = getattr(request.state, "constraint_param", None)
-        return GatewayError.from_pagoda(exc, chat=_is_chat(request), constraint=constraint).response()
+        adapter = getattr(request.state, "adapter", None)
+        return GatewayError.from_pagoda(exc, chat=_is_chat(request), constraint=constraint, model=adapter).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -183,19 +145,16 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
     async def prometheus():
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        name = await model.get(_bearer(request))
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pagoda"}]}
+    app.include_router(models_router(client))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, CompletionRequest)
-        key = _bearer(request)
-        name = await model.check(body.model, key)
+        body = await parse_body(request, CompletionRequest)
+        key = bearer(request)
+        name, request.state.adapter = await model.select(body.model, key)
         output = structured(body)
         request.state.constraint_param = output.param
-        params = completion_params(body, output.params)
+        params = completion_params(body, output.params, request.state.adapter)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [client.generate(p, params, request_id=f"{rid}-{i}", api_key=key)
                    for i, p in enumerate(completion_prompts(body))]
@@ -232,12 +191,12 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatCompletionRequest)
-        key = _bearer(request)
-        name = await model.check(body.model, key)
+        body = await parse_body(request, ChatCompletionRequest)
+        key = bearer(request)
+        name, request.state.adapter = await model.select(body.model, key)
         output = structured(body)
         request.state.constraint_param = output.param
-        params = chat_params(body, output.params)
+        params = chat_params(body, output.params, request.state.adapter)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = client.chat(chat_messages(body), params, tools=output.tools, request_id=rid, api_key=key)
         log.info("%s: %d message(s), n=%d, user=%s", rid, len(body.messages), body.n, _user(body))

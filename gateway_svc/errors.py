@@ -23,6 +23,9 @@ _BY_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    # The scheduler's LoRA refusals that no request could fix but the operator (--enable-lora off):
+    # vLLM answers them 400 too.
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
@@ -49,6 +52,9 @@ _OPENAI_FIELD = {
     "prompt.token_ids": "prompt",
     "prompt.chat": "messages",
     "prompt": "prompt",
+    "model": "model",
+    "lora_name": "lora_name",
+    "lora_path": "lora_path",
 }
 _CHAT_FIELD = {"prompt": "messages", "response.top_logprobs": "top_logprobs"}
 _COMPLETION_FIELD = {"response.top_logprobs": "logprobs"}
@@ -77,7 +83,15 @@ class GatewayError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     @classmethod
-    def from_pagoda(cls, err: PagodaError, chat: bool = False, constraint: str | None = None) -> GatewayError:
+    def from_pagoda(cls, err: PagodaError, chat: bool = False, constraint: str | None = None,
+                    model: str | None = None) -> GatewayError:
+        """The scheduler's refusal in OpenAI's shape; `constraint`: the request field the constraint
+        came from; `model`: the adapter the request named, whose NOT_FOUND is OpenAI's (and vLLM's)
+        404 `model_not_found`."""
+        if model and err.code == grpc.StatusCode.NOT_FOUND:  # a request's only NOT_FOUND: its adapter
+            reason = err.details.removeprefix("model: ")
+            message = f"The model `{model}` does not exist" + (f": {reason}" if reason else ".")
+            return cls(404, message, param="model", code="model_not_found")
         status, kind = _BY_STATUS.get(err.code, (500, "internal_error"))
         message, param = err.details, None
         # The scheduler names the field first: "sampling.top_p: must be in (0, 1], got 1.5".

@@ -222,3 +222,16 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+
+class LoadLoraAdapterRequest(_Strict):
+    """vLLM's body of POST /v1/load_lora_adapter."""
+
+    lora_name: Text = Field(min_length=1)
+    lora_path: Text = Field(min_length=1)  # a PEFT folder on the scheduler's host, or ORG/NAME on the hub
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """vLLM's body of POST /v1/unload_lora_adapter."""
+
+    lora_name: Text = Field(min_length=1)

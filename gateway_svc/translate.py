@@ -28,7 +28,7 @@ FINISH = {
 
 
 def _common(req: _Sampling, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-            constraint: dict) -> GenerateParams:
+            constraint: dict, adapter: str | None) -> GenerateParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}  # keys checked by the schema
     return GenerateParams(
@@ -48,11 +48,13 @@ def _common(req: _Sampling, max_tokens: int | None, logprobs: bool, top_logprobs
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        model=adapter,
         **constraint,
     )
 
 
-def completion_params(req: CompletionRequest, constraint: dict) -> GenerateParams:
+def completion_params(req: CompletionRequest, constraint: dict, adapter: str | None = None) -> GenerateParams:
+    """The request's options; `adapter`: the LoRA adapter its `model` selects (None: the base)."""
     if req.echo:
         raise GatewayError(400, "echo: not supported", param="echo")
     if req.suffix:
@@ -60,7 +62,7 @@ def completion_params(req: CompletionRequest, constraint: dict) -> GenerateParam
     if req.best_of not in (None, req.n):
         raise GatewayError(400, "best_of: only best_of = n is supported", param="best_of")
     logprobs = req.logprobs is not None
-    return _common(req, req.max_tokens, logprobs, req.logprobs or 0, constraint)
+    return _common(req, req.max_tokens, logprobs, req.logprobs or 0, constraint, adapter)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -75,11 +77,12 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
-def chat_params(req: ChatCompletionRequest, constraint: dict) -> GenerateParams:
+def chat_params(req: ChatCompletionRequest, constraint: dict, adapter: str | None = None) -> GenerateParams:
+    """The request's options; `adapter`: the LoRA adapter its `model` selects (None: the base)."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs and not req.logprobs:
         raise GatewayError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-    return _common(req, max_tokens, req.logprobs, req.top_logprobs or 0, constraint)
+    return _common(req, max_tokens, req.logprobs, req.top_logprobs or 0, constraint, adapter)
 
 
 _IMAGE_PARTS = ("image_url", "input_image", "image")

@@ -16,7 +16,9 @@ from pagoda.client.errors import (
     AlreadyExists,
     Cancelled,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
+    NotFound,
     PagodaError,
     PermissionDenied,
     ResourceExhausted,
@@ -43,7 +45,8 @@ from pagoda.client.types import (
 
 __all__ = [
     "AlreadyExists", "AsyncClient", "AsyncStream", "Cancelled", "ChatMessage", "Chunk", "Client", "Completion",
-    "DeadlineExceeded", "ExecutorInfo", "FinishReason", "GenerateParams", "InvalidArgument", "ModelInfo", "Output",
-    "PagodaError", "PermissionDenied", "ResourceExhausted", "ResumeMismatch", "RetryPolicy", "ServerInfo", "Stream",
-    "TLSConfig", "TokenLogprob", "Tokens", "TopLogprob", "Unauthenticated", "Unavailable", "Usage",
+    "DeadlineExceeded", "ExecutorInfo", "FailedPrecondition", "FinishReason", "GenerateParams", "InvalidArgument",
+    "ModelInfo", "NotFound", "Output", "PagodaError", "PermissionDenied", "ResourceExhausted", "ResumeMismatch",
+    "RetryPolicy", "ServerInfo", "Stream", "TLSConfig", "TokenLogprob", "Tokens", "TopLogprob", "Unauthenticated",
+    "Unavailable", "Usage",
 ]

@@ -109,6 +109,14 @@ class AsyncClient(ClientBase):
     async def abort(self, *request_ids: str, api_key: str | None = None) -> None:
         await self._unary("Abort", pb.AbortRequest(request_ids=request_ids), api_key)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, api_key: str | None = None,
+                                timeout: float | None = None) -> None:
+        request = pb.LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        await self._unary("LoadLoraAdapter", request, api_key, timeout)
+
+    async def unload_lora_adapter(self, lora_name: str, *, api_key: str | None = None) -> None:
+        await self._unary("UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name=lora_name), api_key)
+
     async def _unary(self, method: str, request, api_key: str | None = None, timeout: float | None = None):
         timeout, metadata = timeout or self.timeout, self._metadata(api_key)
         for attempt in range(self.retry.max_attempts):

@@ -3,7 +3,10 @@
     pagoda generate "Once upon a time" --max-tokens 64 --temperature 0
     pagoda generate "Is it sunny?" --chat --choice yes,no   # also --json-schema FILE, --regex, --grammar FILE
     pagoda chat --system "You are terse."          # interactive; /reset, /exit
-    pagoda info                                     # model, executors, blocks, load
+    pagoda info                                     # model, LoRA adapters, executors, blocks, load
+    pagoda load-lora sql-lora ./sql-adapter         # a LoRA adapter (PEFT folder or ORG/NAME) at run time
+    pagoda generate "SELECT" --model sql-lora       # ... selected per request (chat takes --model too)
+    pagoda unload-lora sql-lora
     pagoda bench --num-requests 16 --output-len 64  # bench/loadgen.py against --target
 
 Every command takes the connection flags (`--target`, `--api-key`, `--ssl-*`; each also
@@ -56,6 +59,8 @@ def wait_connected(client: Client, timeout: float) -> str | None:
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    # Not PAGODA_MODEL: that is the scheduler's and executors' --model (the base's weights).
+    p.add_argument("--model", metavar="NAME", help="the LoRA adapter to apply, by name (default: the base model)")
     g = p.add_argument_group("sampling and stopping")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default 1)")
@@ -86,7 +91,7 @@ def _params(args: argparse.Namespace, **extra) -> GenerateParams:
         min_tokens=args.min_tokens, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
         json_schema=args.json_schema.read_text() if args.json_schema else None, json_object=args.json_object,
         regex=args.regex, choice=args.choice.split(",") if args.choice else None,
-        grammar=args.grammar.read_text() if args.grammar else None,
+        grammar=args.grammar.read_text() if args.grammar else None, model=args.model,
         **extra,
     )
 
@@ -111,7 +116,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     chat.add_argument("--system", help="system message")
     _add_sampling_flags(chat)
 
-    sub.add_parser("info", parents=[parent], help="model, executors, KV blocks and load")
+    sub.add_parser("info", parents=[parent], help="model, LoRA adapters, executors, KV blocks and load")
+
+    load = sub.add_parser("load-lora", parents=[parent], help="load a LoRA adapter on the scheduler at run time")
+    load.add_argument("lora_name", metavar="NAME", help="the name requests select it by (--model NAME)")
+    load.add_argument("lora_path", metavar="PATH",
+                      help="a PEFT folder on the scheduler's host, or ORG/NAME on the Hugging Face hub")
+    unload = sub.add_parser("unload-lora", parents=[parent], help="unload a LoRA adapter (requests in flight finish)")
+    unload.add_argument("lora_name", metavar="NAME")
 
     sub.add_parser("bench", parents=[parent], add_help=False,
                    help="the load generator, bench/loadgen.py (its flags pass through; --help lists them)")
@@ -196,6 +208,7 @@ def cmd_info(client: Client, args: argparse.Namespace) -> int:
         ["vocab size", str(model.vocab_size)],
         ["block size", str(model.block_size)],
         ["eos token ids", ", ".join(map(str, model.eos_token_ids))],
+        ["lora adapters", ", ".join(model.lora_adapters) or "-"],
         ["server version", server.version],
         ["running / waiting", f"{server.num_running} / {server.num_waiting}"],
         ["preemptions", str(server.num_preemptions)],
@@ -206,6 +219,18 @@ def cmd_info(client: Client, args: argparse.Namespace) -> int:
         rows.append([e.executor_id, e.device, "yes" if e.healthy else "NO", str(e.num_total_blocks),
                      str(e.num_free_blocks), str(e.num_cached_blocks), str(e.num_running), str(e.num_waiting)])
     print(table(rows))
+    return 0
+
+
+def cmd_load_lora(client: Client, args: argparse.Namespace) -> int:
+    client.load_lora_adapter(args.lora_name, args.lora_path)
+    print(f"loaded LoRA adapter {args.lora_name!r} from {args.lora_path}")
+    return 0
+
+
+def cmd_unload_lora(client: Client, args: argparse.Namespace) -> int:
+    client.unload_lora_adapter(args.lora_name)
+    print(f"unloaded LoRA adapter {args.lora_name!r}")
     return 0
 
 
@@ -233,7 +258,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.command == "bench":
         return cmd_bench(args)
-    commands = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info}
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "load-lora": cmd_load_lora,
+                "unload-lora": cmd_unload_lora}
     try:
         with Client(**client_options(args), timeout=args.timeout) as client:
             if args.connect_timeout > 0 and wait_connected(client, args.connect_timeout) is None:

@@ -36,6 +36,18 @@ class PermissionDenied(PagodaError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class NotFound(PagodaError):
+    """E.g. a `model` (LoRA adapter) the scheduler has not loaded, or a `lora_path` that is not there."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(PagodaError):
+    """E.g. LoRA adapters asked of a scheduler started without --enable-lora."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class AlreadyExists(PagodaError):
     code = grpc.StatusCode.ALREADY_EXISTS
 

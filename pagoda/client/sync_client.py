@@ -109,6 +109,20 @@ class Client(ClientBase):
     def abort(self, *request_ids: str, api_key: str | None = None) -> None:
         self._unary("Abort", pb.AbortRequest(request_ids=request_ids), api_key)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *, api_key: str | None = None,
+                          timeout: float | None = None) -> None:
+        """Load the LoRA adapter at `lora_path` (a PEFT folder on the scheduler's host, or ORG/NAME
+        on the Hugging Face hub) as `lora_name` on every executor; requests then select it with
+        `model=lora_name`. A bad adapter raises the scheduler's status naming the field
+        (InvalidArgument, NotFound, FailedPrecondition) and nothing is loaded."""
+        request = pb.LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        self._unary("LoadLoraAdapter", request, api_key, timeout)
+
+    def unload_lora_adapter(self, lora_name: str, *, api_key: str | None = None) -> None:
+        """Unload the LoRA adapter `lora_name`: requests in flight with it finish, new ones naming it
+        are NotFound."""
+        self._unary("UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name=lora_name), api_key)
+
     def _unary(self, method: str, request, api_key: str | None = None, timeout: float | None = None):
         timeout, metadata = timeout or self.timeout, self._metadata(api_key)
         for attempt in range(self.retry.max_attempts):

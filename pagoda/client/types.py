@@ -1,7 +1,7 @@
 """Typed parameters and results of the client, and their one conversion to and from protobuf.
 
 `GenerateParams` holds every knob of `GenerateRequest` (sampling, stopping, response
-options, priority, a structured-output constraint) as plain Python values; `None` means
+options, priority, a structured-output constraint, the LoRA adapter) as plain Python values; `None` means
 "the server's default". A stream
 yields `Chunk`s: the text delta of one output index with its token ids, their logprobs and,
 on the last chunk of that index, the finish reason.
@@ -82,6 +82,9 @@ class GenerateParams:
     # functions the model may call (chat prompts only), as OpenAI writes them:
     # {"type": "function", "function": {"name", "description", "parameters"}} or the inner dict
     tools: Sequence[Mapping] = ()
+    # the LoRA adapter to apply, by name (`GenerateRequest.model`); None, or the base model's
+    # name: the base weights. One the scheduler has not loaded is NotFound naming `model`.
+    model: str | None = None
 
     @classmethod
     def of(cls, params: GenerateParams | None = None, **overrides) -> GenerateParams:
@@ -116,6 +119,8 @@ class GenerateParams:
             req.response.skip_special_tokens = self.skip_special_tokens
         if self.priority is not None:
             req.priority = self.priority
+        if self.model:
+            req.model = self.model
         self._fill_constraint(req.constraint)
         if self.tools:
             if req.WhichOneof("prompt") != "chat":
@@ -288,10 +293,12 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     block_size: int
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters loaded now, by name (`model=` selects one)
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
-        return cls(msg.name, msg.max_model_len, msg.vocab_size, tuple(msg.eos_token_ids), msg.block_size)
+        return cls(msg.name, msg.max_model_len, msg.vocab_size, tuple(msg.eos_token_ids), msg.block_size,
+                   tuple(msg.lora_adapters))
 
 
 @dataclass(frozen=True)
