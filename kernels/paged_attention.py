@@ -22,8 +22,9 @@ tiles into `num_segments` ranges; every program writes its unnormalised partial 
 running max and sum, and `_reduce_segments_kernel` merges them. The launcher picks it for
 decode-only batches whose few (sequence, KV head) pairs would leave the GPU idle.
 
-FP8 cache (float8_e4m3fn): values are dequantised on load, `k_scale` folded into the
-softmax scale and `v_scale` into the output.
+FP8 cache (float8_e4m3fn or float8_e5m2): values are dequantised on load, `k_scale` folded
+into the softmax scale and `v_scale` into the output. Triton converts e4m3 on CUDA from compute
+capability 8.9 (and on ROCm), e5m2 from 8.0.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import triton.language as tl
 import kernels._interpreter  # noqa: F401  (interpreter fix, when interpreting)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _MAX_SEGMENTS = 64
 _MIN_TILES_PER_SEGMENT = 4
 
@@ -289,8 +291,8 @@ def paged_attention(
     """Causal attention of every query row over its request's cached K/V, into `out` (returned).
 
     `q` [num_tokens, num_heads, head_dim]; `k_cache`, `v_cache` [num_blocks, block_size,
-    num_kv_heads, head_dim] in q's dtype or float8_e4m3fn (then `k_scale`, `v_scale`
-    dequantise); `query_start_loc` [num_seqs + 1], `seq_lens` [num_seqs] and `block_table`
+    num_kv_heads, head_dim] in q's dtype or an FP8 dtype (float8_e4m3fn, float8_e5m2: then
+    `k_scale`, `v_scale` dequantise); `query_start_loc` [num_seqs + 1], `seq_lens` [num_seqs] and `block_table`
     [num_seqs, max_num_blocks] int32 as in `executor_svc.attention.base`. The new tokens' K/V
     must already be in the cache. `max_query_len` and `max_seq_len` are host-side bounds that
     pick the tiling and the split. `num_segments` (a power of 2) forces the split-KV path;
@@ -372,7 +374,7 @@ def paged_attention(
         BLOCK_M=block_m,
         TILE_N=tile_n,
         NUM_SEGMENTS=num_segments,
-        KV_IS_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        KV_IS_FP8=k_cache.dtype in FP8_DTYPES,
         DOT_IN_FP32=not q.is_cuda,  # the interpreter cannot multiply bf16 matrices
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps or 4,
@@ -418,11 +420,11 @@ def _check_inputs(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q dtype {q.dtype} is not one of {_FLOAT_DTYPES}")
-    kv_is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    kv_is_fp8 = k_cache.dtype in FP8_DTYPES
     if k_cache.dtype != q.dtype and not kv_is_fp8:
-        raise ValueError(f"k_cache dtype {k_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
+        raise ValueError(f"k_cache dtype {k_cache.dtype} must be q's ({q.dtype}) or one of {FP8_DTYPES}")
     if not kv_is_fp8 and (k_scale != 1.0 or v_scale != 1.0):
-        raise ValueError("k_scale and v_scale apply to a float8_e4m3fn cache only")
+        raise ValueError("k_scale and v_scale apply to an fp8 cache (float8_e4m3fn, float8_e5m2) only")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, k_cache and v_cache need a unit stride on head_dim")
     num_seqs = seq_lens.shape[0]

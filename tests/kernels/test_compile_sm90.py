@@ -49,7 +49,7 @@ VARIANTS = [
     *[("reshape_and_cache", "_reshape_and_cache_kernel",
        dict(key_ptr="bf16", value_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, slot_mapping_ptr="i64"),
        dict(NUM_KV_HEADS=8, NUM_KV_HEADS_PADDED=8, HEAD_DIM=128, HEAD_DIM_PADDED=128, BLOCK_SIZE=16,
-            KV_IS_FP8=cache == "fp8e4nv", FP8_MAX=448.0))
+            KV_IS_FP8=cache == "fp8e4nv", FP8_MAX=448.0, FP8_MANTISSA_BITS=3, FP8_MIN_EXPONENT=-6))
       for cache in ("bf16", "fp8e4nv")],
     *[("copy_blocks", "_copy_blocks_kernel", dict(cache_ptrs_ptr="i64", dtype_ref_ptr=cache, src_dst_ptr="i64"),
        dict(CHUNK=2048))
