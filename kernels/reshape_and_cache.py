@@ -133,7 +133,6 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
 
-    fp8_max, mantissa_bits, min_exponent = _FP8_FORMATS.get(k_cache.dtype, (0.0, 0, 0))
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
@@ -152,12 +151,22 @@ def reshape_and_cache(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        **reshape_and_cache_config(num_kv_heads, head_dim, k_cache.shape[1], k_cache.dtype),
+    )
+
+
+def reshape_and_cache_config(
+    num_kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype
+) -> dict[str, object]:
+    """The constexprs `reshape_and_cache` launches `_reshape_and_cache_kernel` with for a cache of `cache_dtype`."""
+    fp8_max, mantissa_bits, min_exponent = _FP8_FORMATS.get(cache_dtype, (0.0, 0, 0))
+    return dict(
         NUM_KV_HEADS=num_kv_heads,
         NUM_KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1],
-        KV_IS_FP8=kv_is_fp8,
+        BLOCK_SIZE=block_size,
+        KV_IS_FP8=cache_dtype in _FP8_FORMATS,
         FP8_MAX=fp8_max,
         FP8_MANTISSA_BITS=mantissa_bits,
         FP8_MIN_EXPONENT=min_exponent,

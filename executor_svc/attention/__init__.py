@@ -13,7 +13,7 @@ BACKEND_NAMES = ("torch", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Triton converts float8_e4m3fn on NVIDIA GPUs from Ada (L4, RTX 40xx) and Hopper on; float8_e5m2
 # from Ampere (A100 8.0, A10 / RTX 30xx 8.6). "type fp8e4nv not supported in this architecture"
-# is what sm_80 says.
+# is what sm_80 says (bench/kernel_compile_table.py compiles both formats for each target).
 E4M3_MIN_CAPABILITY = (8, 9)
 
 

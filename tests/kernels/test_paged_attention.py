@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.paged_attention import paged_attention
-from kernels.paged_attention import choose_num_segments
+from kernels.paged_attention import choose_num_segments, paged_attention_config
 from tests.kernels.conftest import skip_unless_the_gpu_converts
 
 # --kv-cache-dtype fp8_e4m3 and fp8_e5m2, with the mean and largest error against the unquantised
@@ -235,6 +235,23 @@ def test_choose_num_segments():
     assert choose_num_segments(1, 8, 2, 8192, 64, num_sms=132) == 1
     assert choose_num_segments(1, 8, 1, 200, 64, num_sms=132) == 1
     assert choose_num_segments(1, 8, 1, 8192, 64, num_sms=0) == 1
+
+
+def test_tiles_shrink_to_the_gpus_shared_memory():
+    # fp32 operands take twice bf16's shared memory: on a 64 KB GPU (MI300X) or a 99 KB one (L4) the
+    # default tiles do not fit, and the compile table showed it (69,632 B on gfx942, 139,776 B on sm_89).
+    def tiles(dtype, head_dim, max_query_len, max_shared, **kw):
+        config = paged_attention_config(dtype, dtype, 32, 8, head_dim, 16, 4, max_query_len, 4096, 132,
+                                        max_shared=max_shared, **kw)
+        return config["BLOCK_M"], config["TILE_N"]
+
+    assert tiles(torch.float32, 128, 1, None) == (16, 64)
+    assert tiles(torch.float32, 128, 1, 64 * 1024) == (16, 32)
+    assert tiles(torch.float32, 256, 512, 99 * 1024) == (32, 16)
+    assert tiles(torch.float32, 256, 512, 64 * 1024) == (16, 16)
+    assert tiles(torch.float32, 256, 512, 227 * 1024) == (64, 32)
+    assert tiles(torch.bfloat16, 128, 512, 99 * 1024) == (64, 32)
+    assert tiles(torch.float32, 128, 1, 64 * 1024, tile_n=64) == (16, 64)  # a forced tile_n stays
 
 
 def test_rejects_bad_inputs(device):
