@@ -44,7 +44,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory for weights + KV cache")
     add_flag(p, "--kv-cache-memory-gb", type=float, default=1.0, help="CPU only: KV cache size when --num-kv-blocks is not set")
     add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    add_flag(p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    add_flag(
+        p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache: auto = the model's dtype; fp8_e4m3 / fp8_e5m2 (--attention-backend triton); fp8 = "
+        "fp8_e4m3 where the GPU converts it (compute capability 8.9+, ROCm), else fp8_e5m2; fp8_e4m3 on an A100 / "
+        "A10 is refused",
+    )
     add_flag(
         p,
         "--quantization",
@@ -143,6 +148,13 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             raise StartupError("--gguf-int8-activations needs the GGUF kernel's AVX-512 VNNI loop, which this CPU "
                                "or compiler does not have")
     logging.getLogger(__name__).info("backend options: %s", backend.describe())
+    if args.kv_cache_dtype != "auto" and _cuda_available(args.device):  # refused here, not at the first step
+        from executor_svc.attention import device_kv_cache_dtype
+
+        try:
+            log.info("KV cache: %s", device_kv_cache_dtype(args.kv_cache_dtype, "cuda"))
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
 
     def runner_options(config, device: str) -> dict:
         """The ModelRunner's keyword arguments (on `device`) once the scheduler's config is known."""

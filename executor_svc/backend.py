@@ -36,7 +36,7 @@ class BackendOptions:
     """The executor's execution choices; the defaults are what measured fastest where it builds."""
 
     attention: str = "auto"  # "auto" (triton on CUDA, torch elsewhere), "torch" or "triton"
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (triton only)
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8", "fp8_e4m3" or "fp8_e5m2" (triton only)
     cpu_ops: bool = True  # RMSNorm, rotary, SiLU-and-mul as C calls on a CPU (csrc/cpu_ops.c; float32 modules, the decode path)
     cpu_decode_kernel: bool = True  # decode attention on a CPU through attention/csrc/paged_decode.c (else SDPA)
     cpu_decode_path: bool = True  # a GGUF model's decode steps as a row of C calls (cpu_decode_path.py)

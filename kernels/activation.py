@@ -40,8 +40,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, intermediate, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    block = min(_BLOCK, triton.next_power_of_2(intermediate))
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
-        out, x, intermediate, out.stride(0), x.stride(0), BLOCK=block
+    config = silu_and_mul_config(intermediate)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, config["BLOCK"]))](
+        out, x, intermediate, out.stride(0), x.stride(0), **config
     )
     return out
+
+
+def silu_and_mul_config(intermediate: int) -> dict[str, object]:
+    """The constexprs `silu_and_mul` launches `_silu_and_mul_kernel` with for rows of 2 * `intermediate`."""
+    return dict(BLOCK=min(_BLOCK, triton.next_power_of_2(intermediate)))

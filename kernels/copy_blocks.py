@@ -74,5 +74,10 @@ def copy_blocks(caches: Sequence[torch.Tensor], src_dst: torch.Tensor) -> None:
         block_numel,
         first.stride(0),
         src_dst.stride(0),
-        CHUNK=_CHUNK,
+        **copy_blocks_config(),
     )
+
+
+def copy_blocks_config() -> dict[str, object]:
+    """The constexprs `copy_blocks` launches `_copy_blocks_kernel` with (one choice for every cache)."""
+    return dict(CHUNK=_CHUNK)

@@ -124,34 +124,58 @@ def _grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    top_k: int,
     topk_weights: torch.Tensor | None,
-    block_m: int,
-    block_n: int,
-    block_k: int,
+    config: dict[str, object],
 ) -> None:
-    """c[pair] = a[pair // top_k] @ w[expert of pair].T (times the pair's weight if given), one launch."""
+    """c[pair] = a[pair // TOP_K] @ w[expert of pair].T (times the pair's weight if given), one launch."""
     sorted_pair_ids, block_expert_ids, num_padded_pairs = alignment
     num_pairs, n = c.shape
-    grid = (block_expert_ids.numel(), triton.cdiv(n, block_n))
+    grid = (block_expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     _fused_moe_kernel[grid](
         c, a, w, topk_weights if topk_weights is not None else c,
         sorted_pair_ids, block_expert_ids, num_padded_pairs,
         num_pairs, n, a.shape[1],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        TOP_K=top_k,
-        MUL_ROUTED_WEIGHT=topk_weights is not None,
-        DOT_IN_FP32=not a.is_cuda,  # the interpreter cannot multiply bf16 matrices
-        # fp32 as torch computes it (no TF32); fp16 / bf16 on the tensor cores
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else "tf32",
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        **config,
     )
 
 
 def _default_block(size: int, largest: int) -> int:
     return max(16, min(largest, triton.next_power_of_2(size)))
+
+
+def fused_moe_config(
+    dtype: torch.dtype,
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    *,
+    on_gpu: bool = True,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+) -> tuple[dict[str, object], dict[str, object]]:
+    """The constexprs of `fused_moe`'s two `_fused_moe_kernel` launches: (gate_up, down).
+
+    For `num_tokens` rows of `dtype` routed to `top_k` of `num_experts` experts of `hidden` ->
+    `intermediate`; `on_gpu` False is the interpreter (dots in fp32); the blocks override the
+    defaults, as `fused_moe`'s arguments of those names do.
+    """
+    # a small batch spreads over the experts in short runs: short blocks waste less padding
+    block_m = block_m or (16 if num_tokens * top_k <= 16 * num_experts else 64)
+    block_k = block_k or _default_block(min(hidden, intermediate), 64)
+    common = dict(
+        DOT_IN_FP32=not on_gpu,  # the interpreter cannot multiply bf16 matrices
+        # fp32 as torch computes it (no TF32); fp16 / bf16 on the tensor cores
+        DOT_PRECISION="ieee" if dtype == torch.float32 or not on_gpu else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+    )
+    gate_up = dict(TOP_K=top_k, MUL_ROUTED_WEIGHT=False, BLOCK_N=block_n or _default_block(2 * intermediate, 64))
+    down = dict(TOP_K=1, MUL_ROUTED_WEIGHT=True, BLOCK_N=block_n or _default_block(hidden, 64))
+    return {**gate_up, **common}, {**down, **common}
 
 
 def fused_moe(
@@ -212,15 +236,15 @@ def fused_moe(
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
         return torch.zeros_like(x)
-    # a small batch spreads over the experts in short runs: short blocks waste less padding
-    block_m = block_m or (16 if num_tokens * top_k <= 16 * num_experts else 64)
-    block_k = block_k or _default_block(min(hidden, intermediate), 64)
-    alignment = moe_align_block_size(topk_ids, num_experts, block_m)
+    gate_up_config, down_config = fused_moe_config(
+        x.dtype, num_tokens, num_experts, top_k, hidden, intermediate, on_gpu=x.is_cuda,
+        block_m=block_m, block_n=block_n, block_k=block_k,
+    )
+    alignment = moe_align_block_size(topk_ids, num_experts, gate_up_config["BLOCK_M"])
     gate_up = torch.empty(num_tokens * top_k, 2 * intermediate, dtype=x.dtype, device=x.device)
-    block_n_gate_up = block_n or _default_block(2 * intermediate, 64)
-    _grouped_gemm(gate_up, x, w_gate_up, alignment, top_k, None, block_m, block_n_gate_up, block_k)
+    _grouped_gemm(gate_up, x, w_gate_up, alignment, None, gate_up_config)
     act = silu_and_mul(gate_up)
     down = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.flatten().to(torch.float32).contiguous()
-    _grouped_gemm(down, act, w_down, alignment, 1, weights, block_m, block_n or _default_block(hidden, 64), block_k)
+    _grouped_gemm(down, act, w_down, alignment, weights, down_config)
     return down.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

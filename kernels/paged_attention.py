@@ -22,8 +22,12 @@ tiles into `num_segments` ranges; every program writes its unnormalised partial 
 running max and sum, and `_reduce_segments_kernel` merges them. The launcher picks it for
 decode-only batches whose few (sequence, KV head) pairs would leave the GPU idle.
 
-FP8 cache (float8_e4m3fn): values are dequantised on load, `k_scale` folded into the
-softmax scale and `v_scale` into the output.
+FP8 cache (float8_e4m3fn or float8_e5m2): values are dequantised on load, `k_scale` folded
+into the softmax scale and `v_scale` into the output. Triton converts e4m3 on CUDA from compute
+capability 8.9 (and on ROCm), e5m2 from 8.0.
+
+`paged_attention_config` is the launcher's whole tuning choice (tiles, split, warps) as the
+kernel's keyword arguments, so `bench/kernel_compile_table.py` compiles what it launches.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import triton.language as tl
 import kernels._interpreter  # noqa: F401  (interpreter fix, when interpreting)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _MAX_SEGMENTS = 64
 _MIN_TILES_PER_SEGMENT = 4
 
@@ -268,6 +273,81 @@ def choose_num_segments(
     return 1 if wanted < 2 else 1 << (wanted.bit_length() - 1)
 
 
+def paged_attention_config(
+    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_seqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_sms: int,
+    *,
+    max_shared: int | None = None,
+    on_gpu: bool = True,
+    num_segments: int | None = None,
+    tile_n: int | None = None,
+    num_warps: int | None = None,
+) -> dict[str, object]:
+    """The keyword arguments `paged_attention` launches `_paged_attention_kernel` with: constexprs and num_warps.
+
+    Queries in `dtype`, the cache in `kv_cache_dtype`; `num_sms` (0: not a GPU) sizes the split-KV
+    choice; `max_shared`: the GPU's shared memory per block in bytes (None: no limit), which the
+    tiles are shrunk to fit; `on_gpu` False is the interpreter (dots in fp32). `num_segments`,
+    `tile_n` and `num_warps` override the defaults, as the launcher's arguments of those names do.
+    """
+    queries_per_kv_padded = triton.next_power_of_2(num_heads // num_kv_heads)
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    block_m = max(16 if max_query_len <= 16 else 64, queries_per_kv_padded)
+    tile_n_given = tile_n is not None
+    if tile_n is None:
+        tile_n = 64 if max_query_len == 1 else 32
+    if tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power of 2 >= 16, got {tile_n}")
+    operand_bytes = dtype.itemsize  # K and V are converted to q's dtype before the dots
+    while max_shared is not None and _shared_bytes(block_m, tile_n, head_dim_padded, operand_bytes) > max_shared:
+        if tile_n > 16 and not tile_n_given:
+            tile_n //= 2
+        elif block_m > max(16, queries_per_kv_padded):
+            block_m //= 2
+        else:
+            break
+    if num_segments is None:
+        num_segments = choose_num_segments(num_seqs, num_kv_heads, max_query_len, max_seq_len, tile_n, num_sms)
+    if num_segments < 1 or num_segments & (num_segments - 1):
+        raise ValueError(f"num_segments must be a power of 2 >= 1, got {num_segments}")
+    return dict(
+        NUM_QUERIES_PER_KV=num_heads // num_kv_heads,
+        QUERIES_PER_KV_PADDED=queries_per_kv_padded,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_m // queries_per_kv_padded,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        NUM_SEGMENTS=num_segments,
+        KV_IS_FP8=kv_cache_dtype in FP8_DTYPES,
+        DOT_IN_FP32=not on_gpu,  # the interpreter cannot multiply bf16 matrices
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=num_warps or 4,
+    )
+
+
+def _shared_bytes(block_m: int, tile_n: int, head_dim_padded: int, operand_bytes: int) -> int:
+    """An upper bound on the kernel's shared memory: the dot operands Q, K, V and P staged at once, plus
+    scratch. Against bench/kernel_compile_table.py at head dim 256, BLOCK_M 64, TILE_N 32 (this: fp32
+    140,288 B, bf16 70,656 B): fp32 139,776 B on sm_80 / sm_89 / sm_90, 73,728 on gfx942; bf16
+    49,152-53,248 on CUDA, 32,768 on gfx942."""
+    return operand_bytes * (block_m * head_dim_padded + 2 * tile_n * head_dim_padded + block_m * tile_n) + 1024
+
+
+def reduce_segments_config(attention_config: dict[str, object]) -> dict[str, object]:
+    """The keyword arguments of `_reduce_segments_kernel` after an attention launch with `attention_config`."""
+    return {name: attention_config[name] for name in ("HEAD_DIM", "HEAD_DIM_PADDED", "NUM_SEGMENTS")}
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -289,8 +369,8 @@ def paged_attention(
     """Causal attention of every query row over its request's cached K/V, into `out` (returned).
 
     `q` [num_tokens, num_heads, head_dim]; `k_cache`, `v_cache` [num_blocks, block_size,
-    num_kv_heads, head_dim] in q's dtype or float8_e4m3fn (then `k_scale`, `v_scale`
-    dequantise); `query_start_loc` [num_seqs + 1], `seq_lens` [num_seqs] and `block_table`
+    num_kv_heads, head_dim] in q's dtype or an FP8 dtype (float8_e4m3fn, float8_e5m2: then
+    `k_scale`, `v_scale` dequantise); `query_start_loc` [num_seqs + 1], `seq_lens` [num_seqs] and `block_table`
     [num_seqs, max_num_blocks] int32 as in `executor_svc.attention.base`. The new tokens' K/V
     must already be in the cache. `max_query_len` and `max_seq_len` are host-side bounds that
     pick the tiling and the split. `num_segments` (a power of 2) forces the split-KV path;
@@ -307,21 +387,13 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    num_queries_per_kv = num_heads // num_kv_heads
-    queries_per_kv_padded = triton.next_power_of_2(num_queries_per_kv)
-    decode_only = max_query_len == 1
-    block_m = max(16 if max_query_len <= 16 else 64, queries_per_kv_padded)
-    block_q = block_m // queries_per_kv_padded
-    if tile_n is None:
-        tile_n = 64 if decode_only else 32
-    if tile_n < 16 or tile_n & (tile_n - 1):
-        raise ValueError(f"tile_n must be a power of 2 >= 16, got {tile_n}")
-    if num_segments is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
-        num_segments = choose_num_segments(num_seqs, num_kv_heads, max_query_len, max_seq_len, tile_n, num_sms)
-    if num_segments < 1 or num_segments & (num_segments - 1):
-        raise ValueError(f"num_segments must be a power of 2 >= 1, got {num_segments}")
-    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    gpu = torch.cuda.get_device_properties(q.device) if q.is_cuda else None
+    config = paged_attention_config(
+        q.dtype, k_cache.dtype, num_heads, num_kv_heads, head_dim, block_size, num_seqs, max_query_len, max_seq_len,
+        gpu.multi_processor_count if gpu else 0, max_shared=gpu.shared_memory_per_block_optin if gpu else None,
+        on_gpu=q.is_cuda, num_segments=num_segments, tile_n=tile_n, num_warps=num_warps,
+    )
+    num_segments, block_q, head_dim_padded = config["NUM_SEGMENTS"], config["BLOCK_Q"], config["HEAD_DIM_PADDED"]
 
     if num_segments > 1:
         segm_acc = torch.empty(
@@ -363,19 +435,7 @@ def paged_attention(
         block_table.stride(0),
         *segm_acc_strides,
         *segm_max_strides,
-        NUM_QUERIES_PER_KV=num_queries_per_kv,
-        QUERIES_PER_KV_PADDED=queries_per_kv_padded,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=head_dim_padded,
-        BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        TILE_N=tile_n,
-        NUM_SEGMENTS=num_segments,
-        KV_IS_FP8=k_cache.dtype == torch.float8_e4m3fn,
-        DOT_IN_FP32=not q.is_cuda,  # the interpreter cannot multiply bf16 matrices
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or 4,
+        **config,
     )
     if num_segments > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](
@@ -387,9 +447,7 @@ def paged_attention(
             out.stride(1),
             *segm_acc_strides,
             *segm_max_strides,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PADDED=head_dim_padded,
-            NUM_SEGMENTS=num_segments,
+            **reduce_segments_config(config),
         )
     return out
 
@@ -418,11 +476,11 @@ def _check_inputs(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q dtype {q.dtype} is not one of {_FLOAT_DTYPES}")
-    kv_is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    kv_is_fp8 = k_cache.dtype in FP8_DTYPES
     if k_cache.dtype != q.dtype and not kv_is_fp8:
-        raise ValueError(f"k_cache dtype {k_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
+        raise ValueError(f"k_cache dtype {k_cache.dtype} must be q's ({q.dtype}) or one of {FP8_DTYPES}")
     if not kv_is_fp8 and (k_scale != 1.0 or v_scale != 1.0):
-        raise ValueError("k_scale and v_scale apply to a float8_e4m3fn cache only")
+        raise ValueError("k_scale and v_scale apply to an fp8 cache (float8_e4m3fn, float8_e5m2) only")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, k_cache and v_cache need a unit stride on head_dim")
     num_seqs = seq_lens.shape[0]

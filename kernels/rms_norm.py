@@ -87,7 +87,6 @@ def _launch(
     if num_rows == 0:
         return out, residual_out
 
-    block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(num_rows,)](
         out,
         residual_out if residual_out is not None else out,
@@ -99,9 +98,12 @@ def _launch(
         residual_out.stride(0) if residual_out is not None else 0,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
-        HIDDEN=hidden,
-        BLOCK=block,
-        HAS_RESIDUAL=residual is not None,
-        num_warps=min(max(block // 256, 1), 16),
+        **rms_norm_config(hidden, residual is not None),
     )
     return out, residual_out
+
+
+def rms_norm_config(hidden: int, has_residual: bool) -> dict[str, object]:
+    """The keyword arguments (constexprs, num_warps) `_rms_norm_kernel` is launched with for rows of `hidden`."""
+    block = triton.next_power_of_2(hidden)
+    return dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual, num_warps=min(max(block // 256, 1), 16))

@@ -95,7 +95,6 @@ def rotary_embedding(
     if num_tokens == 0:
         return
 
-    half = rotary_dim // 2
     _rotary_kernel[(num_tokens,)](
         q,
         k,
@@ -106,6 +105,14 @@ def rotary_embedding(
         k.stride(0),
         k.stride(1),
         cos_sin_cache.stride(0),
+        **rotary_config(num_heads, num_kv_heads, rotary_dim),
+    )
+
+
+def rotary_config(num_heads: int, num_kv_heads: int, rotary_dim: int) -> dict[str, object]:
+    """The constexprs `rotary_embedding` launches `_rotary_kernel` with."""
+    half = rotary_dim // 2
+    return dict(
         NUM_HEADS=num_heads,
         NUM_HEADS_PADDED=triton.next_power_of_2(num_heads),
         NUM_KV_HEADS=num_kv_heads,

@@ -3,21 +3,20 @@
 Each layer's forward is two launches: `reshape_and_cache` writes this step's K/V into
 their slots, then `paged_attention` attends every query row of the flat batch, prefill
 chunks and decodes together, straight from the paged cache (split-KV when a decode-only
-batch is too small to fill the GPU). With an fp8 cache (`kv_cache_dtype="fp8"`) K/V are
-stored as float8_e4m3fn divided by `k_scale` / `v_scale` and multiplied back on load.
+batch is too small to fill the GPU). With an fp8 cache (`kv_cache_dtype` "fp8_e4m3", "fp8_e5m2"
+or "fp8": see `executor_svc.attention.kv_cache_dtype_for`) K/V are stored as float8_e4m3fn or
+float8_e5m2 divided by `k_scale` / `v_scale` and multiplied back on load.
 """
 
 from __future__ import annotations
 
 import torch
 
-from executor_svc.attention import windowed
+from executor_svc.attention import device_kv_cache_dtype, windowed
 from executor_svc.attention.base import AttentionMetadata
 from kernels.copy_blocks import copy_blocks
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import FP8_DTYPES, paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
-
-_FP8 = torch.float8_e4m3fn
 
 
 class TritonBackend:
@@ -30,14 +29,15 @@ class TritonBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
-        """`kv_cache_dtype`: "auto" (the model's dtype) or "fp8" / torch.float8_e4m3fn; the scales apply to fp8 only."""
+        """`kv_cache_dtype`: "auto" (the model's dtype), a `--kv-cache-dtype` fp8 name (refused where `device`
+        cannot convert it) or torch.float8_e4m3fn / float8_e5m2; the scales apply to fp8 only."""
         self.device = torch.device(device) if device is not None else None
-        if kv_cache_dtype in ("fp8", _FP8):
-            self.kv_cache_dtype: torch.dtype | None = _FP8
-        elif kv_cache_dtype == "auto":
-            self.kv_cache_dtype = None
+        if isinstance(kv_cache_dtype, torch.dtype):
+            if kv_cache_dtype not in FP8_DTYPES:
+                raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: expected 'auto' or one of {FP8_DTYPES}")
+            self.kv_cache_dtype: torch.dtype | None = kv_cache_dtype
         else:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: expected 'auto' or 'fp8'")
+            self.kv_cache_dtype = device_kv_cache_dtype(kv_cache_dtype, self.device or "cpu")
         if self.kv_cache_dtype is None and (k_scale != 1.0 or v_scale != 1.0):
             raise ValueError("k_scale and v_scale apply to an fp8 KV cache only")
         if not (k_scale > 0.0 and v_scale > 0.0):

@@ -26,6 +26,15 @@ def device() -> torch.device:
     return DEVICE
 
 
+def skip_unless_the_gpu_converts(cache_dtype: torch.dtype, device: torch.device) -> None:
+    """Skip an FP8 KV case the executor refuses on this GPU (e4m3 before sm_89: Triton cannot convert it)."""
+    from executor_svc.attention import device_kv_cache_dtype
+
+    e4m3 = torch.float8_e4m3fn
+    if device.type == "cuda" and cache_dtype == e4m3 and device_kv_cache_dtype("fp8", device) != e4m3:
+        pytest.skip("float8_e4m3fn on a GPU before compute capability 8.9")
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -70,3 +70,16 @@ class _RoundKVToFp8:
 def test_fp8_needs_the_triton_backend(tiny_llama):
     with pytest.raises(ValueError, match="triton"):
         ModelRunner(tiny_llama, device="cpu", num_kv_blocks=16, attention_backend="torch", kv_cache_dtype="fp8")
+
+
+def test_executor_refuses_e4m3_at_start_on_an_a100(monkeypatch, capsys):
+    """Asked for fp8_e4m3 on a GPU before sm_89, the executor stops at start naming the flag and the GPU."""
+    from executor_svc.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert main(["--kv-cache-dtype", "fp8_e4m3", "--scheduler", "tcp://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --kv-cache-dtype fp8_e4m3: NVIDIA A100-SXM4-80GB has compute capability 8.0" in err
+    assert "use --kv-cache-dtype fp8_e5m2" in err

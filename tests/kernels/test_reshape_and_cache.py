@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from kernels.reshape_and_cache import reshape_and_cache
+from tests.kernels.conftest import skip_unless_the_gpu_converts
 
-FP8 = torch.float8_e4m3fn
+# (dtype, largest finite value): --kv-cache-dtype fp8_e4m3 and fp8_e5m2
+FP8_FORMATS = [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)]
+FP8_IDS = ["e4m3", "e5m2"]
 
 
 def make_inputs(num_tokens, num_kv_heads, head_dim, block_size, dtype, device, *, num_blocks=7, num_skipped=3):
@@ -39,34 +42,39 @@ def test_writes_slots(num_kv_heads, head_dim, block_size, dtype, device):
     assert torch.equal(v_cache.cpu(), want_v)
 
 
+@pytest.mark.parametrize("fp8, fp8_max", FP8_FORMATS, ids=FP8_IDS)
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_fp8_quantises(block_size, device):
-    """Values that are e4m3 numbers times the scale quantise exactly; beyond 448 * scale they saturate."""
+def test_fp8_quantises(block_size, fp8, fp8_max, device):
+    """Values on the FP8 grid times the scale quantise exactly; past the largest times the scale they saturate."""
+    skip_unless_the_gpu_converts(fp8, device)
     k_scale, v_scale = 2.0**-5, 2.0**-3
     key, value, slots = make_inputs(17, 2, 64, block_size, torch.bfloat16, device)
-    key = (key.float().to(FP8).float() * k_scale).to(torch.bfloat16)
-    value = (value.float().to(FP8).float() * v_scale).to(torch.bfloat16)
-    key[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448 * k_scale, -448 * k_scale])
+    key = (key.float().to(fp8).float() * k_scale).to(torch.bfloat16)
+    value = (value.float().to(fp8).float() * v_scale).to(torch.bfloat16)
+    key[0, 0, :4] = torch.tensor([3 * fp8_max * k_scale, -3 * fp8_max * k_scale, fp8_max * k_scale, -fp8_max * k_scale])
     slots[0] = 5
-    k_cache = torch.zeros(7, block_size, 2, 64, dtype=FP8, device=device)
+    k_cache = torch.zeros(7, block_size, 2, 64, dtype=fp8, device=device)
     v_cache = torch.zeros_like(k_cache)
     reshape_and_cache(key, value, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
 
     for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
         want = expected_cache(torch.zeros(cache.shape), x.float() / scale, slots)
-        assert torch.equal(cache.float().cpu(), want.clamp(-448, 448))
-    assert k_cache.float().cpu().flatten(0, 1)[5, 0, :4].tolist() == [448.0, -448.0, 448.0, -448.0]
+        assert torch.equal(cache.float().cpu(), want.clamp(-fp8_max, fp8_max))
+    assert k_cache.float().cpu().flatten(0, 1)[5, 0, :4].tolist() == [fp8_max, -fp8_max, fp8_max, -fp8_max]
 
 
-def test_fp8_rounds_like_torch(device):
+@pytest.mark.parametrize("fp8, fp8_max", FP8_FORMATS, ids=FP8_IDS)
+def test_fp8_rounds_like_torch(fp8, fp8_max, device):
+    skip_unless_the_gpu_converts(fp8, device)
     key, value, slots = make_inputs(17, 2, 64, 16, torch.bfloat16, device)
-    k_cache = torch.zeros(7, 16, 2, 64, dtype=FP8, device=device)
+    key[0, 0, :3] = torch.tensor([1e-6, -3e-7, 0.0])  # subnormal in both formats after / 0.01
+    k_cache = torch.zeros(7, 16, 2, 64, dtype=fp8, device=device)
     v_cache = torch.zeros_like(k_cache)
     reshape_and_cache(key, value, k_cache, v_cache, slots, k_scale=0.01, v_scale=0.02)
-    want = expected_cache(torch.zeros(k_cache.shape), (key.float() / 0.01).clamp(-448, 448), slots)
-    assert torch.equal(k_cache.float().cpu(), want.to(FP8).float())
-    want_v = expected_cache(torch.zeros(v_cache.shape), (value.float() / 0.02).clamp(-448, 448), slots)
-    assert torch.equal(v_cache.float().cpu(), want_v.to(FP8).float())
+    want = expected_cache(torch.zeros(k_cache.shape), (key.float() / 0.01).clamp(-fp8_max, fp8_max), slots)
+    assert torch.equal(k_cache.float().cpu(), want.to(fp8).float())
+    want_v = expected_cache(torch.zeros(v_cache.shape), (value.float() / 0.02).clamp(-fp8_max, fp8_max), slots)
+    assert torch.equal(v_cache.float().cpu(), want_v.to(fp8).float())
 
 
 def test_rejects_bad_inputs(device):

@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from executor_svc.attention import kv_cache_dtype_for
 from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.triton_backend import TritonBackend
+from tests.kernels.conftest import skip_unless_the_gpu_converts
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 64, 16, 12
 SCALE = HEAD_DIM**-0.5
@@ -103,10 +105,14 @@ def test_two_steps(dtype, device):
         torch.testing.assert_close(step.out, want, **tolerance)
 
 
-def test_two_steps_fp8_cache(device):
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_two_steps_fp8_cache(kv_cache_dtype, device):
     k_scale, v_scale = 4.0 / 448, 5.0 / 448
-    backend = TritonBackend(device, kv_cache_dtype="fp8", k_scale=k_scale, v_scale=v_scale)
-    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.float8_e4m3fn, device=device)
+    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+    skip_unless_the_gpu_converts(fp8, device)
+    backend = TritonBackend(device, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+    assert backend.cache_dtype(torch.bfloat16) == fp8
+    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=fp8, device=device)
     v_cache = torch.zeros_like(k_cache)
     for step in run_steps(backend, k_cache, v_cache, torch.bfloat16):
         # Tight against what the cache holds, so reads match writes...
@@ -118,7 +124,7 @@ def test_two_steps_fp8_cache(device):
         # ...and near the unquantised values (on the GPU: the interpreter's fp8 rounding is off when it carries).
         if device.type == "cuda":
             error = (step.out - sdpa_reference(step.q, step.keys, step.values, step.scheduled)).abs()
-            assert error.mean() < 0.02 and error.max() < 0.25
+            assert error.mean() < 0.035 and error.max() < 0.5
 
 
 def test_copy_blocks(device):
@@ -132,7 +138,7 @@ def test_copy_blocks(device):
 
 
 def test_validates_configuration(device):
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
+    with pytest.raises(ValueError, match="kv-cache-dtype"):
         TritonBackend(device, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="fp8"):
         TritonBackend(device, k_scale=0.5)
@@ -143,3 +149,34 @@ def test_validates_configuration(device):
     cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=device)
     with pytest.raises(ValueError, match="KV cache is"):
         backend.forward(torch.zeros(3, NUM_HEADS, HEAD_DIM, device=device), x, x, cache, cache.clone(), meta, SCALE)
+
+
+# (compute capability, rocm) -> the dtypes of fp8, fp8_e4m3, fp8_e5m2 (None: refused)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_BY_GPU = {
+    ((8, 0), False): (E5M2, None, E5M2),  # A100: no e4m3 conversion in Triton before sm_89
+    ((8, 6), False): (E5M2, None, E5M2),  # A10, RTX 30xx
+    ((8, 9), False): (E4M3, E4M3, E5M2),  # L4, RTX 40xx
+    ((9, 0), False): (E4M3, E4M3, E5M2),  # H100, H200
+    ((9, 4), True): (E4M3, E4M3, E5M2),  # MI300X
+}
+
+
+@pytest.mark.parametrize("gpu", FP8_BY_GPU, ids=lambda g: f"{g[0][0]}.{g[0][1]}{'-rocm' if g[1] else ''}")
+def test_fp8_kv_cache_dtype_by_gpu(gpu):
+    capability, rocm = gpu
+    for name, want in zip(("fp8", "fp8_e4m3", "fp8_e5m2"), FP8_BY_GPU[gpu]):
+        if want is None:
+            refusal = r"--kv-cache-dtype fp8_e4m3: NVIDIA A100 has compute capability 8\.\d, .* use .* fp8_e5m2"
+            with pytest.raises(ValueError, match=refusal):
+                kv_cache_dtype_for(name, capability, rocm=rocm, gpu_name="NVIDIA A100")
+        else:
+            assert kv_cache_dtype_for(name, capability, rocm=rocm) == want
+    assert kv_cache_dtype_for("auto", capability, rocm=rocm) is None
+
+
+def test_fp8_kv_cache_dtype_without_a_gpu_takes_both_formats():
+    assert kv_cache_dtype_for("fp8") == kv_cache_dtype_for("fp8_e4m3") == E4M3
+    assert kv_cache_dtype_for("fp8_e5m2") == E5M2
+    with pytest.raises(ValueError, match="--kv-cache-dtype 'fp16': expected one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+        kv_cache_dtype_for("fp16")
