@@ -72,7 +72,7 @@ TARGETS = {
 }
 
 # Scalar (non-pointer, non-constexpr) arguments that are floats; every other one is an int32.
-FLOAT_SCALARS = {"qk_scale", "v_scale", "k_scale", "eps"}
+FLOAT_SCALARS = {"qk_scale", "v_scale", "k_scale", "eps", "scale"}
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def variants(target: Target, quick: bool = False) -> list[Variant]:
     """
     found: dict[tuple, Variant] = {}
     for v in [*_attention_variants(target, quick), *_cache_variants(target, quick), *_layer_variants(quick),
-              *_moe_variants(quick)]:
+              *_moe_variants(quick), *_lora_variants(quick)]:
         found.setdefault(v.key, v)
     return list(found.values())
 
@@ -297,6 +297,41 @@ def _moe_variants(quick: bool) -> list[Variant]:
                              sorted_pair_ids_ptr="i32", block_expert_ids_ptr="i32", num_padded_pairs_ptr="i32"),
                         config,
                     ))
+    return found
+
+
+# (model, hidden, q/k/v rows, intermediate): the projections a LoRA adapter's shrink reads and expand writes
+LORA_MODELS = [("Llama-3-8B", 4096, 6144, 14336), ("Qwen3-0.6B", 1024, 4096, 3072)]
+
+
+def _lora_variants(quick: bool) -> list[Variant]:
+    """The multi-LoRA shrink and expand (kernels/lora.py) as their launchers configure them: a decode
+    step (4 rows of one slot) and a prefill (512), rank 16 and 64 (zero-padded stacks), 16-bit and fp32."""
+    from kernels.lora import lora_config
+
+    found = []
+    slots = dict(sorted_token_ids_ptr="i32", slot_ids_ptr="i32", num_tokens_per_slot_ptr="i32", slot_start_loc_ptr="i32")
+    for model, hidden, qkv, intermediate in LORA_MODELS:
+        for dtype in ("bf16", "fp16", "fp32"):
+            for rows in (4, 512):
+                for rank in (16, 64):
+                    if quick and (model != "Llama-3-8B" or dtype == "fp16" or (rows == 4) != (rank == 16)):
+                        continue
+                    precision = "ieee" if dtype == "fp32" else "tf32"
+                    shrink = lora_config("shrink", rows, hidden, 0, 3 * rank, 4 if dtype == "fp32" else 2)
+                    found.append(_variant(
+                        "lora._lora_shrink_kernel", f"{dtype} {model} shrink rows{rows} rank3x{rank}",
+                        dict(out_ptr="fp32", x_ptr=dtype, a_ptr=dtype, **slots),
+                        {**shrink, "DOT_IN_FP32": False, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"},
+                    ))
+                    for name, n in (("qkv", qkv), ("down", hidden), ("gate_up", 2 * intermediate)):
+                        if quick and name != "gate_up":
+                            continue
+                        found.append(_variant(
+                            "lora._lora_expand_kernel", f"{dtype} {model} expand {name} rows{rows} rank{rank}",
+                            dict(out_ptr=dtype, y_ptr="fp32", b_ptr=dtype, **slots),
+                            {**lora_config("expand", rows, 0, n, rank), "ADD": True, "DOT_PRECISION": precision},
+                        ))
     return found
 
 

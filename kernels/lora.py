@@ -100,19 +100,20 @@ def _pow2_block(size: int, smallest: int, largest: int) -> int:
     return max(smallest, min(largest, triton.next_power_of_2(max(size, 1))))
 
 
-def lora_config(kind: str, num_tokens: int, k: int, n: int, rank: int) -> dict[str, int]:
+def lora_config(kind: str, num_tokens: int, k: int, n: int, rank: int, itemsize: int = 2) -> dict[str, int]:
     """Block sizes and launch options (not tuned on a GPU yet); the launchers pass the longest
     slot run (`meta.max_tokens_per_slot`) as `num_tokens`, the rows one slot's programs cover.
 
     kind "shrink": x [num_tokens, k] -> [num_tokens, rank] (`n` unused); keys BLOCK_M, BLOCK_N
     (over the rank), BLOCK_K, SPLIT_K, num_warps, num_stages. kind "expand": y [num_tokens,
     rank] -> [num_tokens, n] (`k` unused); keys BLOCK_M, BLOCK_N, BLOCK_K (over the rank),
-    num_warps, num_stages. Blocks are powers of two >= 16 (tl.dot's least).
+    num_warps, num_stages. Blocks are powers of two >= 16 (tl.dot's least). `itemsize`: bytes of an
+    element of x (4: float32, whose long K blocks are halved to fit 64 KB of shared memory on MI300X).
     """
     block_m = _pow2_block(num_tokens, 16, 64)
     if kind == "shrink":
         # decode: few rows, the adapters' A dominate the reads: long K blocks, spread over programs
-        block_k = _pow2_block(k, 16, 256 if num_tokens <= 64 else 64)
+        block_k = _pow2_block(k, 16, (256 if num_tokens <= 64 else 64) * 2 // max(itemsize, 2))
         split_k = min(triton.cdiv(k, block_k), 64 if num_tokens <= 64 else 8)
         return dict(BLOCK_M=block_m, BLOCK_N=_pow2_block(rank, 16, 64), BLOCK_K=block_k, SPLIT_K=split_k,
                     num_warps=4, num_stages=2)
@@ -290,7 +291,7 @@ def lora_shrink(
         raise ValueError(f"lora_shrink: x and a must be on one device, got {x.device} and {a.device}")
     _check_meta("lora_shrink", meta, num_tokens, a.shape[0], x.device)
     rank = a.shape[1]
-    default = lora_config("shrink", meta.max_tokens_per_slot, k, 0, rank)
+    default = lora_config("shrink", meta.max_tokens_per_slot, k, 0, rank, x.element_size())
     cfg = _checked_config("lora_shrink", "shrink", default, config)
     out = torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
     if meta.num_slots == 0 or rank == 0:
