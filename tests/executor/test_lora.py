@@ -406,3 +406,25 @@ def test_drafts_are_verified_through_the_adapter(tmp_path, default_model_dir, pr
     for token in second.sampled:
         out.setdefault(token.req_id, []).append(token.token_id)
     assert out == {"x": adapted[1:5], "y": plain[1:5]}  # every draft accepted, one token more each
+
+
+def test_n_siblings_fork_within_their_adapter(tmp_path, default_model_dir, prompt):
+    """`n` samples of an adapter's request (siblings: the follower forks the leader's prompt blocks) beside
+    the base model's siblings of the same prompt: each sibling's greedy tokens are its model's."""
+    base, a, _ = family_adapters("llama", tmp_path, default_model_dir)
+    runner = ModelRunner(base, device="cpu", dtype="float32", block_size=4, num_kv_blocks=200, enable_lora=True)
+    runner.add_lora("a", a)
+    scheduler = Scheduler(SchedulerConfig(num_blocks=runner.num_kv_blocks, block_size=4, max_model_len=runner.max_model_len,
+                                          kv_cache_groups=runner.kv_cache_groups, max_num_batched_tokens=16))
+    adapted = [Request(f"a{i}", prompt, GREEDY, max_tokens=8, lora="a") for i in range(2)]
+    plain = [Request(f"b{i}", prompt, GREEDY, max_tokens=8) for i in range(2)]
+    scheduler.add_requests(adapted)
+    scheduler.add_requests(plain)
+    run_with_scheduler(runner, scheduler)
+    expected_adapted = hf_greedy(peft_reference(base, a), prompt, 8)
+    expected_plain = hf_greedy(load_reference(base), prompt, 8)
+    assert expected_adapted != expected_plain
+    for request in adapted:
+        assert request.output_token_ids[: len(expected_adapted)] == expected_adapted
+    for request in plain:
+        assert request.output_token_ids[: len(expected_plain)] == expected_plain
