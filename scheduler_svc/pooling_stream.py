@@ -17,10 +17,16 @@ from dataclasses import dataclass, field
 
 from pagoda.step import PoolRequest, PoolTask
 from scheduler_svc.core import PoolingRequest, PoolUpdate
+import grpc
+
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+
+class Aborted(ServiceError):
+    code = grpc.StatusCode.CANCELLED
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ class PoolStream:
             future.set_exception(error)
 
     def abort(self) -> None:
-        self.fail(ServiceError(f"request {self.request_id!r} was aborted"))
+        self.fail(Aborted(f"request {self.request_id!r} was aborted"))
 
     def log_finish(self, metrics: Metrics) -> None:
         log.info("pooling request %r finished: %d inputs, %d tokens", self.request_id, len(self.params.inputs),
