@@ -95,13 +95,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 log.info("request %r cancelled by the client", params.request_id)
                 self.engine.abort(params.request_id, tenant=stream.tenant)
 
+    async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+        """Check the caller's share, validate and tokenize `request`, run it; ServiceError naming the field
+        otherwise. The one Embed path of both APIs (`vllm.grpc.engine`'s Embed translates to it)."""
+        pooling = self._pooling("Embed")
+        self.engine.check_admission()  # the tenant's share and the queue, before any work
+        await self._adapter(request.model)
+        params = await self.prompts.run(pooling.embed_params, request)
+        return pooling.embed_response(params, await self._pooled(params))
+
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         try:
-            pooling = self._pooling("Embed")
-            self.engine.check_admission()
-            await self._adapter(request.model)
-            params = await self.prompts.run(pooling.embed_params, request)
-            return pooling.embed_response(params, await self._pooled(params))
+            return await self.embed(request)
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
 
