@@ -266,3 +266,79 @@ def test_worker_answers_pool_requests(root):
         worker._monitor.close(0)
         worker._sock.close(0)
         worker._ctx.term()
+
+
+def test_runner_flag_resolution(root):
+    import argparse
+
+    from executor_svc.__main__ import _runner_kind
+    from pagoda.cli import StartupError
+
+    folder = st_folder(encoder_folder(root, "bert", seed=10), "cls", True)
+    args = lambda runner: argparse.Namespace(runner=runner, tensor_parallel_size=1)  # noqa: E731
+    assert _runner_kind(args("auto"), folder) == "pooling"
+    assert _runner_kind(args("pooling"), folder) == "pooling"
+    with pytest.raises(StartupError, match="--runner: generate: BertModel has no language-model head"):
+        _runner_kind(args("generate"), folder)
+    with pytest.raises(StartupError, match="--runner: pooling: no tensor parallelism"):
+        _runner_kind(argparse.Namespace(runner="pooling", tensor_parallel_size=2), folder)
+
+
+def test_executor_process_registers_pooling_and_answers_a_plan(root):
+    """`python -m executor_svc --runner auto` on a sentence-transformers folder, against a stand-in
+    scheduler: Register.runner "pooling" with 2 KV blocks, then a plan's pool_requests answered."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import zmq
+    from sentence_transformers import SentenceTransformer
+
+    from tests.service.harness import ROOT
+
+    folder = st_folder(encoder_folder(root, "bert", seed=11), "mean", True)
+    reference = SentenceTransformer(str(folder), device="cpu")
+    inputs = texts(5, seed=12)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    env = {**os.environ, "PAGODA_RUNNER": "auto"}
+    proc = subprocess.Popen([sys.executable, "-m", "executor_svc", "--model", str(folder), "--device", "cpu",
+                             "--scheduler", f"tcp://127.0.0.1:{port}", "--insecure-executor-link", "--num-threads", "1"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def receive(kind: str, timeout_s: float = 120.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not sock.poll(500):
+                assert proc.poll() is None, proc.stderr.read()
+                continue
+            identity, data = sock.recv_multipart()
+            msg = pb.ExecutorMessage.FromString(data)
+            if msg.WhichOneof("kind") == kind:
+                return identity, getattr(msg, kind)
+        pytest.fail(f"no {kind} from the executor")
+
+    def send(identity, **kind):
+        sock.send_multipart([identity, pb.SchedulerMessage(**kind).SerializeToString()])
+
+    try:
+        identity, _ = receive("hello")
+        send(identity, config=pb.ExecutorConfig(block_size=16, max_num_batched_tokens=2048))
+        identity, register = receive("register")
+        assert (register.runner, register.num_kv_blocks, register.block_size) == ("pooling", 2, 16)
+        send(identity, registered=pb.Registered())
+        requests = pool_requests(reference.tokenizer, inputs, normalize=True)
+        send(identity, step_plan=pb.StepPlan(step_id=1, pool_requests=requests))
+        _, result = receive("step_result")
+        assert result.step_id == 1 and not result.error and not result.errors
+        assert_vectors_equal([list(p.values) for p in result.pooled], reference.encode(inputs))
+        send(identity, shutdown=pb.Shutdown(reason="test over"))
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        sock.close(0)
+        ctx.term()
