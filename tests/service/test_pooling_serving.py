@@ -14,6 +14,7 @@ sentence-transformers' tokenizer.)
 
 from __future__ import annotations
 
+import base64
 import signal
 import threading
 import time
@@ -102,9 +103,12 @@ def test_the_gateway_answers_as_grpc_does(service):
     with Gateway(f"127.0.0.1:{service.port}") as gateway:
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused")
         name = client.models.list().data[0].id
-        for encoding_format in ("base64", "float"):  # (the SDK asks for base64 and decodes it)
+        for encoding_format in (openai.NOT_GIVEN, "float"):  # not given: the SDK asks for base64 and decodes it
             reply = client.embeddings.create(input=inputs, model=name, encoding_format=encoding_format)
             np.testing.assert_array_equal(np.asarray([d.embedding for d in reply.data], dtype=np.float32), grpc_vectors)
+        packed = client.embeddings.create(input=inputs, model=name, encoding_format="base64")
+        decoded = [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in packed.data]
+        np.testing.assert_array_equal(np.asarray(decoded), grpc_vectors)
         assert reply.usage.prompt_tokens == reply.usage.total_tokens > 0
         cut = vectors(service.stub.Embed(pb.EmbedRequest(texts=inputs[:1], dimensions=8), timeout=120))
         one = client.embeddings.create(input=inputs[0], model=name, dimensions=8)
@@ -201,5 +205,6 @@ def test_an_executor_killed_mid_batch_leaves_its_inputs_to_the_other(service, re
     thread.join(300)
     assert "error" not in outcome, outcome.get("error")
     pooling_models.assert_vectors_equal(vectors(outcome["reply"]), expected)
+    assert "moving its requests" in (service.logdir / "scheduler.log").read_text()  # it died holding some
     info = service.wait_all_blocks_free()
     assert len(info.executors) == 1 and info.num_running == 0 and info.num_waiting == 0
