@@ -74,6 +74,25 @@ def test_embed_equals_sentence_transformers(service, reference):
     np.testing.assert_array_equal(vectors(by_ids), vectors(reply))
 
 
+def test_vllm_engine_embed_for_smg(service):
+    from smg_grpc_proto import vllm_engine_pb2 as vpb
+    from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+
+    engine = vpb_grpc.VllmEngineStub(service.channel)
+    text = pooling_models.texts(n=3)[2]
+    ours = vectors(service.stub.Embed(pb.EmbedRequest(texts=[text]), timeout=60))[0]
+    by_text = engine.Embed(vpb.EmbedRequest(request_id="t", tokenized=vpb.TokenizedInput(original_text=text)), timeout=60)
+    ids = service.stub.Embed(pb.EmbedRequest(texts=[text]), timeout=60).usage.prompt_tokens
+    assert by_text.embedding_dim == len(ours) and by_text.prompt_tokens == ids
+    np.testing.assert_array_equal(np.asarray(by_text.embedding, dtype=np.float32), ours)
+    with pytest.raises(grpc.RpcError) as err:
+        engine.Embed(vpb.EmbedRequest(request_id="u", tokenized=vpb.TokenizedInput(input_ids=[2, 10**6])), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("tokenized.input_ids[1]:"), err.value.details()
+    info = engine.GetModelInfo(vpb.GetModelInfoRequest(), timeout=60)
+    assert not info.is_generation
+
+
 def test_matryoshka_dimensions_and_normalize(service, folder, reference):
     inputs = pooling_models.texts(seed=3)
     cut = st.SentenceTransformer(str(folder), device="cpu", truncate_dim=16)
