@@ -15,10 +15,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagoda.step import PoolRequest, PoolTask
-from scheduler_svc.core import PoolingRequest, PoolUpdate
 import grpc
 
+from pagoda.step import PoolRequest, PoolTask
+from scheduler_svc.core import PoolingRequest, PoolUpdate
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.metrics import Metrics
 
@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class Aborted(ServiceError):
+    """The request was aborted (Abort, or its call was cancelled) before every input had its values."""
+
     code = grpc.StatusCode.CANCELLED
 
 

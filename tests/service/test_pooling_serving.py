@@ -58,6 +58,12 @@ def service(folder):
         yield svc
 
 
+def assert_same(ours, theirs) -> None:
+    """Two answers of the same inputs: equal up to the float32 rounding of differently batched steps
+    (an input's step mates, and so its attention kernel's shapes, depend on the queue at the time)."""
+    np.testing.assert_allclose(np.asarray(ours, dtype=np.float32), np.asarray(theirs, dtype=np.float32), rtol=0, atol=1e-6)
+
+
 def vectors(reply: pb.EmbedResponse) -> np.ndarray:
     assert [e.index for e in reply.embeddings] == list(range(len(reply.embeddings)))
     return np.asarray([list(e.values) for e in reply.embeddings], dtype=np.float32)
@@ -71,7 +77,30 @@ def test_embed_equals_sentence_transformers(service, reference):
     # token ids as sentence-transformers' tokenizer gives them: the same vectors
     ids = [pb.TokenIds(ids=i) for i in reference.tokenizer(inputs)["input_ids"]]
     by_ids = service.stub.Embed(pb.EmbedRequest(token_ids=ids), timeout=120)
-    np.testing.assert_array_equal(vectors(by_ids), vectors(reply))
+    assert_same(vectors(by_ids), vectors(reply))
+
+
+def test_the_python_client_and_the_cli(service, capsys):
+    import json
+
+    from pagoda.client import Client
+    from pagoda.client.cli import main as pagoda_cli
+
+    inputs = pooling_models.texts(n=4, seed=8)
+    grpc_vectors = vectors(service.stub.Embed(pb.EmbedRequest(texts=inputs), timeout=60))
+    grpc_rerank = service.stub.Rerank(pb.RerankRequest(query=inputs[0], documents=inputs[1:], top_n=2), timeout=60)
+    with Client(f"127.0.0.1:{service.port}", timeout=60) as client:
+        reply = client.embed(inputs)
+        assert_same(reply.vectors, grpc_vectors)
+        assert len(client.embed(inputs[0], dimensions=8).vectors[0]) == 8
+        ranked = client.rerank(inputs[0], inputs[1:], top_n=2)
+        assert [r.index for r in ranked.results] == [r.index for r in grpc_rerank.results]
+        assert_same([r.relevance_score for r in ranked.results], [r.relevance_score for r in grpc_rerank.results])
+    capsys.readouterr()
+    assert pagoda_cli(["embed", "--target", f"127.0.0.1:{service.port}", *inputs[:2]]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1]
+    assert_same([line["embedding"] for line in lines], grpc_vectors[:2])
 
 
 def test_vllm_engine_embed_for_smg(service):
@@ -84,7 +113,7 @@ def test_vllm_engine_embed_for_smg(service):
     by_text = engine.Embed(vpb.EmbedRequest(request_id="t", tokenized=vpb.TokenizedInput(original_text=text)), timeout=60)
     ids = service.stub.Embed(pb.EmbedRequest(texts=[text]), timeout=60).usage.prompt_tokens
     assert by_text.embedding_dim == len(ours) and by_text.prompt_tokens == ids
-    np.testing.assert_array_equal(np.asarray(by_text.embedding, dtype=np.float32), ours)
+    assert_same(by_text.embedding, ours)
     with pytest.raises(grpc.RpcError) as err:
         engine.Embed(vpb.EmbedRequest(request_id="u", tokenized=vpb.TokenizedInput(input_ids=[2, 10**6])), timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -124,14 +153,15 @@ def test_the_gateway_answers_as_grpc_does(service):
         name = client.models.list().data[0].id
         for encoding_format in (openai.NOT_GIVEN, "float"):  # not given: the SDK asks for base64 and decodes it
             reply = client.embeddings.create(input=inputs, model=name, encoding_format=encoding_format)
-            np.testing.assert_array_equal(np.asarray([d.embedding for d in reply.data], dtype=np.float32), grpc_vectors)
+            assert_same([d.embedding for d in reply.data], grpc_vectors)
         packed = client.embeddings.create(input=inputs, model=name, encoding_format="base64")
         decoded = [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in packed.data]
-        np.testing.assert_array_equal(np.asarray(decoded), grpc_vectors)
+        assert_same(decoded, grpc_vectors)
         assert reply.usage.prompt_tokens == reply.usage.total_tokens > 0
         cut = vectors(service.stub.Embed(pb.EmbedRequest(texts=inputs[:1], dimensions=8), timeout=120))
         one = client.embeddings.create(input=inputs[0], model=name, dimensions=8)
-        assert len(one.data) == 1 and one.data[0].embedding == cut[0].tolist()
+        assert len(one.data) == 1
+        assert_same(one.data[0].embedding, cut[0])
         with pytest.raises(openai.BadRequestError) as err:
             client.embeddings.create(input=[inputs[0], ""], model=name)
         assert err.value.body["param"] == "input" and "texts[1]" in err.value.body["message"]
@@ -142,11 +172,13 @@ def test_the_gateway_answers_as_grpc_does(service):
         body = httpx.post(f"{gateway.url}/v1/rerank", json={"query": inputs[0], "documents": inputs[1:]}, timeout=60)
         assert body.status_code == 200, body.text
         results = body.json()["results"]
-        assert [(r["index"], r["relevance_score"]) for r in results] == [(r.index, r.relevance_score) for r in grpc_rerank.results]
+        assert [r["index"] for r in results] == [r.index for r in grpc_rerank.results]
+        assert_same([r["relevance_score"] for r in results], [r.relevance_score for r in grpc_rerank.results])
         assert [r["document"]["text"] for r in results] == [inputs[1:][r.index] for r in grpc_rerank.results]
         score = httpx.post(f"{gateway.url}/v1/score", json={"text_1": inputs[0], "text_2": inputs[1:]}, timeout=60).json()
         by_index = {r.index: r.relevance_score for r in grpc_rerank.results}
-        assert [(d["index"], d["score"]) for d in score["data"]] == [(i, by_index[i]) for i in range(len(inputs) - 1)]
+        assert [d["index"] for d in score["data"]] == list(range(len(inputs) - 1))
+        assert_same([d["score"] for d in score["data"]], [by_index[i] for i in range(len(inputs) - 1)])
         bad = httpx.post(f"{gateway.url}/v1/rerank", json={"query": "", "documents": ["a"]}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "query"
 
@@ -194,7 +226,7 @@ def test_bad_inputs_name_the_field_and_the_service_keeps_serving(service, refere
     assert cut.usage.prompt_tokens == 20
     pooling_models.assert_vectors_equal(vectors(cut), reference.encode([" ".join(["river"] * 18)]))
     after = vectors(service.stub.Embed(pb.EmbedRequest(texts=["a cat"]), timeout=60))
-    np.testing.assert_array_equal(before, after)
+    assert_same(before, after)
     info = service.wait_all_blocks_free()
     assert info.num_running == 0 and info.num_waiting == 0
 
