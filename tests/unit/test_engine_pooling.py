@@ -65,3 +65,20 @@ def test_in_flight_id_is_refused_and_abort_ends_the_call(make_engine):
         engine.submit_pooling(params("job"), tenant="t")  # the id is free again
 
     asyncio.run(scenario())
+
+
+def test_an_executor_of_the_other_runner_is_refused(make_engine):
+    from pagoda.v1 import executor_pb2 as xpb
+
+    pooling = make_engine()
+    register = dict(model_fingerprint="x", block_size=16, num_kv_blocks=2, device="cpu")
+    assert "runner 'generate' differs from the scheduler's 'pooling'" in pooling.pool._registration_problem(
+        xpb.Register(**register, runner="generate"))
+    assert "runner 'generate'" in pooling.pool._registration_problem(xpb.Register(**register))  # (older executors)
+    assert pooling.pool._registration_problem(xpb.Register(**register, runner="pooling")) == ""
+    generation = Engine(EngineConfig(model_fingerprint="x"), None, "tcp://127.0.0.1:0")
+    try:
+        assert "runner 'pooling' differs" in generation.pool._registration_problem(xpb.Register(**register, runner="pooling"))
+        assert generation.pool._registration_problem(xpb.Register(**register, runner="generate")) == ""
+    finally:
+        generation.pool.link.close()
