@@ -219,7 +219,8 @@ def test_bad_requests_fail_alone(root):
     folder = st_folder(encoder_folder(root, "bert", seed=6), "cls", True)
     reference = SentenceTransformer(str(folder), device="cpu")
     runner = PoolingRunner(folder, dtype="float32")
-    good = pool_requests(reference.tokenizer, texts(3, seed=7), normalize=True)
+    runner.max_batch_tokens = 40  # the step's inputs in several batches (the 100-token text alone)
+    good = pool_requests(reference.tokenizer, texts(6, seed=7), normalize=True)
     bad = [
         pb.PoolRequest(req_id="empty", task=pb.POOL_TASK_EMBED),
         pb.PoolRequest(req_id="long", token_ids=[5] * (runner.max_model_len + 1), task=pb.POOL_TASK_EMBED),
@@ -237,7 +238,7 @@ def test_bad_requests_fail_alone(root):
     assert errors["vocab"].startswith("token_ids:") and errors["types"].startswith("token_type_ids:")
     assert errors["task"].startswith("task:") and errors["dims"].startswith("dimensions:")
     assert [p.req_id for p in result.pooled] == [r.req_id for r in good]
-    expected = reference.encode(texts(3, seed=7))
+    expected = reference.encode(texts(6, seed=7))
     assert_vectors_equal([list(p.values) for p in result.pooled], expected)
 
 
