@@ -128,8 +128,13 @@ def llama_server(binary: str, st_folder: Path, work: Path, threads: int):
     """Convert the folder to a float32 GGUF file and start llama-server --embeddings on it; (process, url)."""
     convert = os.environ.get("LLAMA_CONVERT") or str(Path(binary).resolve().parents[2] / "convert_hf_to_gguf.py")
     gguf = work / "bge-small-random-f32.gguf"
-    subprocess.run([sys.executable, convert, str(st_folder), "--outtype", "f32", "--outfile", str(gguf)], check=True,
-                   stdout=subprocess.DEVNULL)
+    # the converter names the pre-tokenizer by hashing its output on a test text; this made-up
+    # vocabulary matches none, so it is told BGE's ("bert-bge": BERT's whitespace/punctuation split)
+    wrapper = ("import runpy, sys; from pathlib import Path; convert = sys.argv[1]; sys.argv = sys.argv[1:]; "
+               "sys.path.insert(0, str(Path(convert).parent)); import conversion.base as base; "
+               "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'bert-bge'; runpy.run_path(convert, run_name='__main__')")
+    subprocess.run([sys.executable, "-c", wrapper, convert, str(st_folder), "--outtype", "f32", "--outfile", str(gguf)],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     port = free_port()
     proc = subprocess.Popen([binary, "-m", str(gguf), "--embeddings", "--pooling", "cls", "--host", "127.0.0.1",
                              "--port", str(port), "-t", str(threads), "-c", "8192", "-b", "8192", "-ub", "8192",

@@ -8,7 +8,7 @@ window and with Gemma 2's soft cap. The sequences are sorted by length and cut i
 near-equal lengths; each bucket is one batched `scaled_dot_product_attention` call over its
 sequences padded to the bucket's longest (a key-padding mask where they differ). Measured on the
 2-core AVX2 EPYC (shared, loaded: the figures are rough) for 64 sequences of 8-256 tokens, 12
-heads of 32, one thread pair: a block-diagonal mask over the whole batch 8.9 s (quadratic in T),
+heads of 32, 2 threads: a block-diagonal mask over the whole batch 8.9 s (quadratic in T),
 one call per sequence 1.46 s, buckets of padding ratio 1.15 1.56 s, 1.3 1.12 s, one bucket 1.09 s;
 the runner's batches are sorted by length (`executor_svc.pooling`), so a bucket pads little.
 """
