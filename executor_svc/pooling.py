@@ -138,6 +138,16 @@ class PoolingRunner:
     def enable_lora(self, max_lora_rank: int, kernels=None) -> None:
         raise ValueError("LoRA adapters are not applied by the pooling runner")
 
+    def add_lora_files(self, name: str, config_json: bytes, weights: bytes) -> int:
+        from pagoda.lora_files import LoraError
+
+        raise LoraError("lora_name", f"{name!r}: the pooling runner applies no LoRA adapters")
+
+    def remove_lora(self, name: str) -> None:
+        from pagoda.lora_files import LoraError
+
+        raise LoraError("lora_name", f"{name!r}: the pooling runner applies no LoRA adapters")
+
     # -- a step ---------------------------------------------------------------------------------
     def check(self, request) -> str | None:
         """Why `request` cannot run (a message naming the field), or None."""

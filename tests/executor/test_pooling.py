@@ -262,6 +262,9 @@ def test_worker_answers_pool_requests(root):
         assert_vectors_equal([list(p.values) for p in result.pooled], reference.encode(texts(4, seed=9)))
         register = worker._register_message()
         assert (register.runner, register.num_kv_blocks, register.vocab_size) == ("pooling", 2, runner.vocab_size)
+        # a scheduler with --enable-lora: the adapter is refused by name, the executor keeps serving
+        status = worker._lora(pb.SchedulerMessage(load_lora=pb.LoadLora(name="sql", config_json=b"{}", weights=b"")))
+        assert status.name == "sql" and "pooling runner applies no LoRA adapters" in status.error
     finally:
         worker._sock.disable_monitor()
         worker._monitor.close(0)
