@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from executor_svc.attention.varlen import VarlenPlan, varlen_attention
+from executor_svc.attention.varlen import VarlenPlan, varlen_attention_packed
 
 ARCHITECTURES = {
     "BertModel": ("bert", None),
@@ -137,8 +137,7 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
         t, h = x.shape
-        q, k, v = self.qkv(x).view(t, 3, self.config.num_heads, self.head_dim).unbind(1)
-        attn = varlen_attention(q, k, v, plan, self.scale, causal=False)
+        attn = varlen_attention_packed(self.qkv(x).view(t, 3, self.config.num_heads, self.head_dim), plan, self.scale)
         x = self.attn_norm(self.attn_out(attn.reshape(t, h)) + x)
         return self.out_norm(self.down(self.act(self.up(x))) + x)
 

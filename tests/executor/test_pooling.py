@@ -219,7 +219,8 @@ def test_bad_requests_fail_alone(root):
     folder = st_folder(encoder_folder(root, "bert", seed=6), "cls", True)
     reference = SentenceTransformer(str(folder), device="cpu")
     runner = PoolingRunner(folder, dtype="float32")
-    good = pool_requests(reference.tokenizer, texts(3, seed=7), normalize=True)
+    runner.max_batch_tokens = 40  # the step's inputs in several batches (the 100-token text alone)
+    good = pool_requests(reference.tokenizer, texts(6, seed=7), normalize=True)
     bad = [
         pb.PoolRequest(req_id="empty", task=pb.POOL_TASK_EMBED),
         pb.PoolRequest(req_id="long", token_ids=[5] * (runner.max_model_len + 1), task=pb.POOL_TASK_EMBED),
@@ -237,7 +238,7 @@ def test_bad_requests_fail_alone(root):
     assert errors["vocab"].startswith("token_ids:") and errors["types"].startswith("token_type_ids:")
     assert errors["task"].startswith("task:") and errors["dims"].startswith("dimensions:")
     assert [p.req_id for p in result.pooled] == [r.req_id for r in good]
-    expected = reference.encode(texts(3, seed=7))
+    expected = reference.encode(texts(6, seed=7))
     assert_vectors_equal([list(p.values) for p in result.pooled], expected)
 
 
@@ -261,6 +262,9 @@ def test_worker_answers_pool_requests(root):
         assert_vectors_equal([list(p.values) for p in result.pooled], reference.encode(texts(4, seed=9)))
         register = worker._register_message()
         assert (register.runner, register.num_kv_blocks, register.vocab_size) == ("pooling", 2, runner.vocab_size)
+        # a scheduler with --enable-lora: the adapter is refused by name, the executor keeps serving
+        status = worker._lora(pb.SchedulerMessage(load_lora=pb.LoadLora(name="sql", config_json=b"{}", weights=b"")))
+        assert status.name == "sql" and "pooling runner applies no LoRA adapters" in status.error
     finally:
         worker._sock.disable_monitor()
         worker._monitor.close(0)
