@@ -101,8 +101,10 @@ class PoolStream:
         self.fail(Aborted(f"request {self.request_id!r} was aborted"))
 
     def log_finish(self, metrics: Metrics) -> None:
+        """Log the answered request; its latency and tokens count as a finished request's (no finish reason)."""
         log.info("pooling request %r finished: %d inputs, %d tokens", self.request_id, len(self.params.inputs),
                  self.params.num_prompt_tokens)
+        metrics.observe_finish(self.arrival, self.params.num_prompt_tokens, [])
 
     async def result(self) -> list[list[float]]:
         """Every input's values, in order; raises the request's ServiceError if it failed."""
