@@ -78,6 +78,9 @@ def test_embed_equals_sentence_transformers(service, reference):
     ids = [pb.TokenIds(ids=i) for i in reference.tokenizer(inputs)["input_ids"]]
     by_ids = service.stub.Embed(pb.EmbedRequest(token_ids=ids), timeout=120)
     assert_same(vectors(by_ids), vectors(reply))
+    metrics = httpx.get(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=30).text
+    counted = [line for line in metrics.splitlines() if line.startswith("pagoda:prompt_tokens_total ")]
+    assert counted and float(counted[0].split()[1]) == 2 * reply.usage.prompt_tokens  # (the module's first requests)
 
 
 def test_the_python_client_and_the_cli(service, capsys):
