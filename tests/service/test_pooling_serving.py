@@ -234,6 +234,17 @@ def test_bad_inputs_name_the_field_and_the_service_keeps_serving(service, refere
     assert info.num_running == 0 and info.num_waiting == 0
 
 
+def test_a_cancelled_call_drops_its_inputs(service):
+    inputs = [text for seed in range(20) for text in pooling_models.texts(seed=200 + seed)]
+    with pytest.raises(grpc.RpcError) as err:
+        service.stub.Embed(pb.EmbedRequest(texts=inputs, request_id="short-deadline"), timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    info = service.wait_all_blocks_free()  # the inputs still queued or running are dropped, not run
+    assert info.num_running == 0 and info.num_waiting == 0
+    reply = service.stub.Embed(pb.EmbedRequest(texts=inputs[:2], request_id="short-deadline"), timeout=60)
+    assert len(reply.embeddings) == 2  # the id is free again
+
+
 def test_an_executor_killed_mid_batch_leaves_its_inputs_to_the_other(service, reference):
     """Last in this module: it leaves the service one executor."""
     inputs = [text for seed in range(40) for text in pooling_models.texts(seed=100 + seed)]  # 480 texts, 1-100 tokens
