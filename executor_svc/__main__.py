@@ -17,7 +17,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from pagoda import link_security, model_files  # noqa: E402
-from pagoda.cli import StartupError, add_bool_flag, add_flag, add_model_flags, run_main  # noqa: E402
+from pagoda.cli import StartupError, add_bool_flag, add_flag, add_model_flags, add_runner_flag, run_main  # noqa: E402
 from executor_svc.parallel import is_group  # noqa: E402
 from executor_svc.worker import Worker, WorkerConfig  # noqa: E402
 
@@ -27,6 +27,7 @@ log = logging.getLogger("executor_svc")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__)
     add_model_flags(p, "the scheduler's")
+    add_runner_flag(p)
     add_flag(p, "--scheduler", default="tcp://127.0.0.1:5557", help="the scheduler's ZeroMQ endpoint")
     add_flag(p, "--device", default="auto", choices=["auto", "cpu", "cuda"])
     add_flag(
@@ -122,6 +123,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         raise StartupError(str(exc)) from None
     except OSError as exc:
         raise StartupError(f"cannot read the model {args.model or '(default)'}: {exc} (--model)") from None
+    runner_kind = _runner_kind(args, model_dir)
 
     from executor_svc.backend import BackendOptions
 
@@ -183,6 +185,11 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         device = args.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if runner_kind == "pooling":  # no KV cache: the KV flags do not apply
+            from executor_svc.pooling import PoolingRunner
+
+            return PoolingRunner(model_dir, device=device, dtype=args.dtype, block_size=config.block_size,
+                                 num_threads=args.num_threads)
         return ModelRunner(model_dir, **runner_options(config, device))
 
     def load_or_fail(config):
@@ -219,6 +226,24 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(code)
     return make_worker(load_or_fail).run()
+
+
+def _runner_kind(args: argparse.Namespace, model_dir) -> str:
+    """"generate" or "pooling" for --runner and the model; a model the runner cannot take is a StartupError."""
+    from pagoda.pooling_files import PoolingError, read_pooling_spec, resolve_runner
+
+    try:
+        kind = resolve_runner(model_dir, args.runner)
+        if kind == "pooling":
+            if model_files.gguf_source(model_dir) is not None:
+                raise PoolingError("--runner", "pooling: GGUF pooling models are not supported (use the safetensors folder)")
+            if is_group(args):
+                raise PoolingError("--runner", "pooling: no tensor parallelism (--tensor-parallel-size 1)")
+            read_pooling_spec(model_dir)  # a folder the pooling runner cannot serve fails here, named
+    except PoolingError as exc:
+        raise StartupError(f"{exc} (model {model_dir})") from None
+    log.info("runner: %s", kind)
+    return kind
 
 
 def _cuda_available(device: str) -> bool:

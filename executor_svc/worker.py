@@ -213,17 +213,7 @@ class Worker:
         if config.block_size != runner.block_size:
             log.error("scheduler wants block size %d, our cache has %d", config.block_size, runner.block_size)
             return False
-        register = pb.Register(
-            executor_id=self.executor_id,
-            model_fingerprint=self._fingerprint,
-            block_size=runner.block_size,
-            num_kv_blocks=runner.num_kv_blocks,
-            device=runner.device,
-            vocab_size=runner.vocab_size,
-            heartbeat_token=self._heartbeat_token,
-            weight_bytes=runner.weight_bytes,
-            kv_cache_groups=wire.kv_cache_groups_to_proto(runner.kv_cache_groups),
-        )
+        register = self._register_message()
         while not self._drain_signalled:
             if not self._send(register=register):  # not connected: the scheduler checks a Register itself
                 self._pause(0.5)
@@ -242,6 +232,23 @@ class Worker:
             except SchedulerLost:
                 log.warning("lost the scheduler while registering")
         return False
+
+    def _register_message(self) -> pb.Register:
+        """What we announce: a pooling runner (`executor_svc.pooling`) holds no KV cache and
+        registers the least the scheduler takes (2 blocks: the null block and one)."""
+        runner = self._runner
+        return pb.Register(
+            executor_id=self.executor_id,
+            model_fingerprint=self._fingerprint,
+            block_size=runner.block_size,
+            num_kv_blocks=runner.num_kv_blocks,
+            device=runner.device,
+            vocab_size=runner.vocab_size,
+            heartbeat_token=self._heartbeat_token,
+            weight_bytes=runner.weight_bytes,
+            kv_cache_groups=wire.kv_cache_groups_to_proto(runner.kv_cache_groups),
+            runner=getattr(runner, "runner", "generate"),
+        )
 
     # ---- steady state ----------------------------------------------------------------------
     def _serve(self) -> int | pb.ExecutorConfig | None:
@@ -308,7 +315,10 @@ class Worker:
     def _execute(self, plan_msg: pb.StepPlan) -> pb.StepResult:
         """The step's result; error messages cut to what the scheduler accepts (it bounds a message's size)."""
         try:
-            result = wire.result_to_proto(self._runner.execute(wire.plan_from_proto(plan_msg)))
+            if getattr(self._runner, "runner", "generate") == "pooling":
+                result = self._runner.execute_proto(plan_msg)  # StepPlan.pool_requests -> StepResult.pooled
+            else:
+                result = wire.result_to_proto(self._runner.execute(wire.plan_from_proto(plan_msg)))
             for error in result.errors:
                 error.message = error.message[:MAX_ERROR_MESSAGE_CHARS]
             return result

@@ -28,6 +28,7 @@ from gateway_svc.body import bearer, parse_body
 from gateway_svc.errors import GatewayError, validation_error
 from gateway_svc.metrics import GatewayMetrics
 from gateway_svc.models import ModelName, models_router
+from gateway_svc.pooling import pooling_router
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest
 from gateway_svc.tools import ToolDeltas, read_output, structured
 from gateway_svc.translate import (
@@ -146,6 +147,7 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
         return Response(metrics.render(), media_type=metrics.content_type)
 
     app.include_router(models_router(client))
+    app.include_router(pooling_router(client, model))  # /v1/embeddings, /v1/rerank, /v1/score
 
     @app.post("/v1/completions")
     async def completions(request: Request):

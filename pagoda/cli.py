@@ -47,6 +47,16 @@ def add_model_flags(parser: argparse.ArgumentParser, revision_note: str) -> None
              help=f"a Hugging Face --model's branch, tag or commit (default: main); {revision_note}")
 
 
+def add_runner_flag(parser: argparse.ArgumentParser) -> None:
+    """`--runner auto|generate|pooling`, as the scheduler and the executors both take it
+    (`pagoda.pooling_files.resolve_runner` turns it into the model's runner)."""
+    add_flag(
+        parser, "--runner", default="auto", choices=["auto", "generate", "pooling"],
+        help="generate text, or pool (embeddings, cross-encoder scores); auto = pooling for a sentence-transformers "
+        "folder or a model without a language-model head",
+    )
+
+
 def add_bool_flag(parser: argparse.ArgumentParser, flag: str, *, default: bool, help="") -> None:
     env = env_name(flag)
     if env in os.environ:

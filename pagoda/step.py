@@ -54,6 +54,7 @@ those slots again.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pagoda.constraint import Constraint
@@ -169,6 +170,43 @@ class BlockCopy:
     dst: int
 
 
+class PoolTask(enum.IntEnum):
+    """What a pooling request asks of the model; the values are `pagoda.v1.PoolTask`'s."""
+
+    EMBED = 1  # the pooled vector (sentence-transformers' `encode`)
+    CLASSIFY = 2  # a cross-encoder's scores, one a label (sentence-transformers' `CrossEncoder.predict`)
+
+
+@dataclass
+class PoolRequest:
+    """A pooling runner's request (--runner pooling): the whole input, run in one step and
+    forgotten after it. It holds no KV blocks and is never chunked (encoders attend both ways).
+
+    `token_type_ids`: the encoders' segment ids (a pair's second text 1); empty = all 0.
+    Embed: `dimensions` 0 is the full vector, else its first `dimensions` values (Matryoshka),
+    L2-normalized after the cut when `normalize`.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    task: PoolTask = PoolTask.EMBED
+    token_type_ids: list[int] = field(default_factory=list)
+    normalize: bool = False
+    dimensions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class PooledOutput:
+    """A pooling request's answer: embed, the vector; classify, one score a label (activation applied)."""
+
+    req_id: str
+    values: list[float]
+
+
 @dataclass
 class StepPlan:
     step_id: int
@@ -178,6 +216,7 @@ class StepPlan:
     finished_req_ids: list[str] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    pool_requests: list[PoolRequest] = field(default_factory=list)  # a pooling executor's plans hold only these
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -210,3 +249,4 @@ class StepResult:
     step_id: int
     sampled: list[SampledToken] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
+    pooled: list[PooledOutput] = field(default_factory=list)  # one per pool request that did not fail

@@ -12,6 +12,9 @@ from pagoda.step import (
     CachedRequestData,
     KVCacheGroupSpec,
     NewRequestData,
+    PooledOutput,
+    PoolRequest,
+    PoolTask,
     RequestError,
     SampledToken,
     SamplingParams,
@@ -141,6 +144,13 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
         scheduled_spec_decode_tokens={
             req_id: pb.DraftTokens(token_ids=drafts) for req_id, drafts in plan.scheduled_spec_decode_tokens.items()
         },
+        pool_requests=[
+            pb.PoolRequest(
+                req_id=r.req_id, token_ids=r.token_ids, token_type_ids=r.token_type_ids, task=int(r.task),
+                normalize=r.normalize, dimensions=r.dimensions,
+            )
+            for r in plan.pool_requests
+        ],
     )
 
 
@@ -169,6 +179,13 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
         scheduled_spec_decode_tokens={
             req_id: list(drafts.token_ids) for req_id, drafts in msg.scheduled_spec_decode_tokens.items()
         },
+        pool_requests=[
+            PoolRequest(
+                req_id=r.req_id, token_ids=list(r.token_ids), task=PoolTask(r.task), token_type_ids=list(r.token_type_ids),
+                normalize=r.normalize, dimensions=r.dimensions,
+            )
+            for r in msg.pool_requests
+        ],
     )
 
 
@@ -185,6 +202,7 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
             for s in result.sampled
         ],
         errors=[pb.RequestError(req_id=e.req_id, message=e.message) for e in result.errors],
+        pooled=[pb.PooledOutput(req_id=p.req_id, values=p.values) for p in result.pooled],
     )
 
 
@@ -201,4 +219,5 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
             for s in msg.sampled
         ],
         errors=[RequestError(req_id=e.req_id, message=e.message) for e in msg.errors],
+        pooled=[PooledOutput(req_id=p.req_id, values=list(p.values)) for p in msg.pooled],
     )

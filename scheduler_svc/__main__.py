@@ -13,13 +13,15 @@ import sys
 import zmq
 
 from pagoda import link_security, model_files
-from pagoda.cli import StartupError, add_bool_flag, add_flag, add_model_flags, env_name, run_main
+from pagoda.cli import StartupError, add_bool_flag, add_flag, add_model_flags, add_runner_flag, env_name, run_main
+from pagoda.pooling_files import PoolingError, PoolingSpec, read_pooling_spec, resolve_runner
 from pagoda.gc_heap import freeze_startup_heap
 from scheduler_svc import auth
 from scheduler_svc.core import SpeculativeConfig
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.lora_registry import parse_lora_modules
+from scheduler_svc.pooling_requests import PoolingFrontEnd
 from scheduler_svc.server import DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_MAX_REQUEST_BYTES, build_server
 from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
 
@@ -34,6 +36,7 @@ KV_MEMORY_CEILING_BYTES = 2 * 2**40
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
     add_model_flags(p, "give the executors the same")
+    add_runner_flag(p)
     add_flag(p, "--host", default="127.0.0.1", help="gRPC bind address")
     add_flag(p, "--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     add_flag(p, "--executor-bind", default="tcp://127.0.0.1:5557", help="ZeroMQ endpoint executors connect to")
@@ -223,7 +226,9 @@ def _load_model(model: str | None, revision: str | None = None):
         raise StartupError(f"cannot read the model {model or '(default)'}: {exc} (--model)") from None
 
 
-async def _listen(args: argparse.Namespace, engine: Engine, spec, model_name: str, api_keys, credentials, model_dir=None):
+async def _listen(
+    args: argparse.Namespace, engine: Engine, spec, model_name: str, api_keys, credentials, model_dir=None, pooling=None,
+):
     """Bind the gRPC port and the metrics port, or raise StartupError naming the flag."""
     address = f"{args.host}:{args.port}"
     try:
@@ -231,7 +236,7 @@ async def _listen(args: argparse.Namespace, engine: Engine, spec, model_name: st
             socket.create_server((args.host, args.port)).close()
         server, port = await build_server(
             engine, spec, model_name, address, api_keys, credentials, args.max_request_bytes, model_dir=model_dir,
-            max_concurrent_streams=args.max_concurrent_streams,
+            max_concurrent_streams=args.max_concurrent_streams, pooling=pooling,
         )
     except (OSError, RuntimeError) as exc:
         cause = getattr(exc, "strerror", None) or "the port is in use or the address is not local"
@@ -248,9 +253,28 @@ async def _listen(args: argparse.Namespace, engine: Engine, spec, model_name: st
     return server, port
 
 
+def _pooling_spec(args: argparse.Namespace, model_dir) -> PoolingSpec | None:
+    """The pooling model's spec under --runner pooling (or auto on a pooling folder); None to generate.
+    StartupError naming the flag or the folder's file for what cannot be served."""
+    try:
+        if resolve_runner(model_dir, args.runner) == "generate":
+            return None
+        pooling = read_pooling_spec(model_dir)
+    except PoolingError as exc:
+        raise StartupError(f"{exc} (--runner, --model)") from None
+    if pooling is None:
+        raise StartupError(f"--runner pooling: {model_dir} is a generation model with no pooling to serve")
+    if args.enable_lora or args.speculative is not None:
+        raise StartupError("--runner pooling serves no LoRA adapters nor speculative decoding (--enable-lora, "
+                           "--num-speculative-tokens)")
+    return pooling
+
+
 async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> None:
     model_dir, tokenizer, spec = _load_model(args.model, args.revision)
-    max_model_len = min(args.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    pooling = _pooling_spec(args, model_dir)
+    model_len = pooling.max_model_len if pooling is not None else spec.max_position_embeddings
+    max_model_len = min(args.max_model_len or model_len, model_len)
     speculative = args.speculative
     if speculative is not None:
         if args.async_scheduling:
@@ -275,14 +299,17 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        runner="pooling" if pooling is not None else "generate",
     )
     try:
         engine = Engine(config, tokenizer, args.executor_bind, link_keys=link_keys)
     except zmq.ZMQError as exc:
         raise StartupError(f"cannot bind {args.executor_bind} for executors: {exc} (--executor-bind)") from None
     try:
+        front_end = PoolingFrontEnd(tokenizer, pooling, max_model_len, spec.vocab_size) if pooling is not None else None
         server, port = await _listen(
-            args, engine, spec, model_files.model_name(args.model), api_keys, credentials, model_dir=model_dir
+            args, engine, spec, model_files.model_name(args.model), api_keys, credentials, model_dir=model_dir,
+            pooling=front_end,
         )
     except StartupError:
         engine.pool.link.close()
@@ -301,8 +328,9 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
     await server.start()
     freeze_startup_heap("scheduler")
     log.info(
-        "serving pagoda.v1.Generation and vllm.grpc.engine.VllmEngine on %s:%d (%s, %s); executors connect to %s (%s)",
-        args.host, port, "TLS" + (" with client certificates" if args.ssl_ca_certs else "") if credentials else "plaintext",
+        "serving pagoda.v1.Generation and vllm.grpc.engine.VllmEngine on %s:%d (%s runner; %s, %s); executors connect "
+        "to %s (%s)",
+        args.host, port, config.runner, "TLS" + (" with client certificates" if args.ssl_ca_certs else "") if credentials else "plaintext",
         f"{len(api_keys)} API keys" if api_keys else "no API key required",
         engine.pool.link.endpoint, "CURVE" if link_keys else "plaintext",
     )

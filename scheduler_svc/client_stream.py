@@ -10,6 +10,7 @@ beam search streams nothing until it ends, then its n best sequences whole
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from scheduler_svc.errors import ServiceError
 from scheduler_svc.validation import GenerateParams
+
+log = logging.getLogger("scheduler_svc.engine")  # (the finish lines are the engine's)
 
 
 @dataclass
@@ -142,6 +145,15 @@ class ClientStream:
             )
         )
         return True
+
+    def log_finish(self, metrics) -> None:
+        """Log the finished request and count it (`scheduler_svc.metrics.Metrics`)."""
+        reasons = [s.finish_reason for s in self.samples]
+        log.info(
+            "request %r finished: %s tokens, reasons %s",
+            self.request_id, [s.num_tokens for s in self.samples], [pb.FinishReason.Name(r) for r in reasons],
+        )
+        metrics.observe_finish(self.arrival, len(self.params.prompt_token_ids), reasons)
 
     def fail(self, error: ServiceError) -> None:
         self.done = True

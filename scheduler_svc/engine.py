@@ -57,6 +57,7 @@ from scheduler_svc.executor_pool import (  # noqa: F401  (re-exported: the engin
 from scheduler_svc.lora_registry import LoraRegistry
 from scheduler_svc.metrics import ExecutorSnapshot, EngineSnapshot, Metrics
 from scheduler_svc.owners import BeamOwner, Owners, SampleOwner, initial_requests, owners_for
+from scheduler_svc.pooling_stream import PoolOwner, PoolParams, PoolStream
 from scheduler_svc.validation import GenerateParams
 from scheduler_svc.waiting_queue import WaitingQueue
 
@@ -77,7 +78,7 @@ class Engine:
         self.metrics = Metrics(self.snapshot)
         self.pool = ExecutorPool(config, bind, self.metrics, self._on_joined, self._on_lost, link_keys)
         self.queue = WaitingQueue()
-        self.requests: dict[RequestKey, list[SampleOwner] | list[BeamOwner]] = {}  # (tenant, request_id) -> owners
+        self.requests: dict[RequestKey, list[SampleOwner] | list[BeamOwner] | list[PoolOwner]] = {}  # (tenant, request_id) -> owners
         self.owners = Owners()  # core request id -> owner
         self.on_health_change: Callable[[bool], None] = lambda serving: None
         # (executor id, its prefix cache's events), after each step: the KV-event stream's source
@@ -147,6 +148,27 @@ class Engine:
         for owner, request in zip(owners, group, strict=True):
             self.owners.claim([request.req_id], owner)
         self.queue.push(group, tenant)
+        self._dispatch()
+        return stream
+
+    def submit_pooling(self, params: PoolParams, tenant: str | None = None) -> PoolStream:
+        """Admit a validated pooling request (Embed, Rerank) of `tenant` or raise; await `stream.result()`.
+
+        The same admission as `submit` (the tenant's share, the queue, in-flight ids); each input
+        is then one turn in the fair queue, bound to whichever executor has room (late binding).
+        """
+        tenant = current_tenant() if tenant is None else tenant
+        self.check_admission(tenant)
+        key = (tenant, params.request_id)
+        if key in self.requests:
+            raise AlreadyExists(f"request_id: {params.request_id!r} is already in flight")
+        stream = PoolStream(params, tenant=tenant, core_id=f"{params.request_id}-{next(self._serial)}")
+        owners = PoolOwner.for_inputs(stream)
+        self.requests[key] = owners
+        self._num_requests_of[tenant] += 1
+        for owner in owners:
+            self.owners.claim([owner.request.req_id], owner)
+            self.queue.push([owner.request], tenant)
         self._dispatch()
         return stream
 
@@ -250,14 +272,9 @@ class Engine:
             if handle.scheduler.finish_requests(ids, FinishReason.ABORTED):
                 handle.wakeup.set()
 
-    def _close(self, stream: ClientStream) -> None:
+    def _close(self, stream: ClientStream | PoolStream) -> None:
         if stream.finish_if_done():
-            reasons = [s.finish_reason for s in stream.samples]
-            log.info(
-                "request %r finished: %s tokens, reasons %s",
-                stream.request_id, [s.num_tokens for s in stream.samples], [pb.FinishReason.Name(r) for r in reasons],
-            )
-            self.metrics.observe_finish(stream.arrival, len(stream.params.prompt_token_ids), reasons)
+            stream.log_finish(self.metrics)
         owners = self.requests.get(stream.key)
         if stream.done and owners and owners[0].stream is stream:  # (not a newer request of the same key)
             del self.requests[stream.key]
@@ -268,7 +285,7 @@ class Engine:
                 del self._num_requests_of[stream.tenant]
             self._strikes.pop(stream.key, None)
 
-    def _fail(self, stream: ClientStream, error: Exception) -> None:
+    def _fail(self, stream: ClientStream | PoolStream, error: Exception) -> None:
         for owner in self.requests.get(stream.key, ()):
             self._drop_core_requests(owner.live_req_ids)
             self.owners.release(owner.live_req_ids)
@@ -360,7 +377,7 @@ class Engine:
         while handle.alive:
             if len(in_flight) <= ahead:
                 plan = handle.scheduler.schedule()
-                if plan.num_scheduled_tokens or plan.finished_req_ids or plan.block_copies:
+                if plan.num_scheduled_tokens or plan.finished_req_ids or plan.block_copies or plan.pool_requests:
                     in_flight.append((plan, await self.pool.execute(handle, plan)))
                     continue
             if in_flight:

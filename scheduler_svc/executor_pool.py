@@ -23,7 +23,9 @@ from pagoda import wire
 from pagoda.link_security import LinkKeys
 from pagoda.step import StepPlan, StepResult
 from pagoda.v1 import executor_pb2 as xpb
-from scheduler_svc.core import Request, Scheduler, SchedulerConfig, SpeculativeConfig
+from scheduler_svc.core import (
+    PoolingRequest, PoolingScheduler, PoolingSchedulerConfig, Request, Scheduler, SchedulerConfig, SpeculativeConfig,
+)
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.result_check import max_executor_message_bytes, result_shape_problem, sampled_values_problem
@@ -65,6 +67,9 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 64
+    # "generate", or "pooling" (--runner): every executor must run the same (Register.runner);
+    # a pooling executor's core is a PoolingScheduler (whole inputs, no KV blocks)
+    runner: str = "generate"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests"):
@@ -74,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"max_requests_per_tenant must not be negative, got {self.max_requests_per_tenant}")
         if self.executor_timeout_s <= 0 or self.no_executor_wait_s < 0 or self.step_timeout_s <= 0:
             raise ValueError("executor_timeout_s and step_timeout_s must be positive and no_executor_wait_s not negative")
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
 
     def step_budget(self, device: str) -> int:
         """Tokens one step of an executor on `device` ("cpu", "cuda:0", ...) may compute."""
@@ -86,7 +93,7 @@ class EngineConfig:
 class ExecutorHandle:
     executor_id: str
     device: str
-    scheduler: Scheduler
+    scheduler: Scheduler | PoolingScheduler
     last_seen: float
     alive: bool = True
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
@@ -155,7 +162,7 @@ class ExecutorPool:
         loads = {h.executor_id: h.load() for h in fits}
         least = min(loads.values())
         hits = {
-            h.executor_id: h.scheduler.kv_cache_manager.num_prefix_cached_tokens(first.all_token_ids, first.prefix_salt)
+            h.executor_id: h.scheduler.num_prefix_cached_tokens(first)
             for h in fits
             if loads[h.executor_id] <= least + _prefix_routing_slack(least)
         }
@@ -175,7 +182,7 @@ class ExecutorPool:
         """Send `plan`; the future of its `StepResult` (cancelled if the executor goes)."""
         future = asyncio.get_running_loop().create_future()
         handle.pending[plan.step_id] = future
-        handle.scheduled[plan.step_id] = frozenset(plan.num_scheduled_tokens)
+        handle.scheduled[plan.step_id] = frozenset(plan.num_scheduled_tokens).union(r.req_id for r in plan.pool_requests)
         log.debug("executor %s step %d: %s", handle.executor_id, plan.step_id, plan.num_scheduled_tokens)
         if not await self.link.send_plan(handle.executor_id, plan):
             self.kill(handle, "unreachable")
@@ -262,7 +269,22 @@ class ExecutorPool:
             self.kill(old, "re-registered", blame=False)
         budget = self.config.step_budget(msg.device)
         groups = wire.kv_cache_groups_from_proto(msg.kv_cache_groups)
-        core = Scheduler(
+        if self.config.runner == "pooling":
+            core = PoolingScheduler(PoolingSchedulerConfig(budget, self.config.max_num_seqs, self.config.max_model_len))
+            budget = core.config.step_budget
+        else:
+            core = self._generation_scheduler(msg, budget, groups)
+        handle = ExecutorHandle(executor_id, msg.device, core, last_seen=time.monotonic(), weight_bytes=msg.weight_bytes)
+        self.executors[executor_id] = handle
+        log.info(
+            "executor %s registered: %s, %s runner, %d KV blocks, steps of up to %d tokens, KV cache groups %s",
+            executor_id, msg.device, self.config.runner, msg.num_kv_blocks, budget,
+            [("full" if g.sliding_window is None else g.sliding_window, len(g.layer_ids)) for g in groups],
+        )
+        self._on_joined(handle)
+
+    def _generation_scheduler(self, msg: xpb.Register, budget: int, groups) -> Scheduler:
+        return Scheduler(
             SchedulerConfig(
                 block_size=msg.block_size,
                 num_blocks=msg.num_kv_blocks,
@@ -276,14 +298,6 @@ class ExecutorPool:
                 max_loras=self.config.max_loras if self.config.enable_lora else 0,
             )
         )
-        handle = ExecutorHandle(executor_id, msg.device, core, last_seen=time.monotonic(), weight_bytes=msg.weight_bytes)
-        self.executors[executor_id] = handle
-        log.info(
-            "executor %s registered: %s, %d KV blocks, steps of up to %d tokens, KV cache groups %s",
-            executor_id, msg.device, msg.num_kv_blocks, budget,
-            [("full" if g.sliding_window is None else g.sliding_window, len(g.layer_ids)) for g in groups],
-        )
-        self._on_joined(handle)
 
     async def send_registered(self, handle: ExecutorHandle) -> None:
         """Registered goes out before the first plan: until it has it, an executor drops plans."""
@@ -292,6 +306,11 @@ class ExecutorPool:
     def _registration_problem(self, msg: xpb.Register) -> str:
         if msg.model_fingerprint != self.config.model_fingerprint:
             return f"model fingerprint {msg.model_fingerprint} differs from the scheduler's {self.config.model_fingerprint}"
+        runner = msg.runner or "generate"  # (executors from before --runner generate)
+        if runner != self.config.runner:
+            return f"runner {runner!r} differs from the scheduler's {self.config.runner!r} (--runner)"
+        if runner == "pooling":
+            return ""  # no KV cache: its blocks and groups mean nothing here
         if msg.block_size != self.config.block_size:
             return f"block size {msg.block_size} differs from the scheduler's {self.config.block_size}"
         if msg.num_kv_blocks < 2:
@@ -329,7 +348,7 @@ class ExecutorPool:
             handle.suspects = frozenset().union(*handle.scheduled.values())
         self._on_lost(handle, self._retire(handle))
 
-    def _retire(self, handle: ExecutorHandle) -> list[Request]:
+    def _retire(self, handle: ExecutorHandle) -> list[Request] | list[PoolingRequest]:
         handle.alive = False
         if self.executors.get(handle.executor_id) is handle:
             del self.executors[handle.executor_id]

@@ -89,6 +89,10 @@ class PromptWorker:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def run(self, fn, *args):
+        """`fn(*args)` on the tokenizer threads (Embed and Rerank tokenize there too)."""
+        return await self._run(fn, *args)
+
     def _offload(self, req: pb.GenerateRequest | pb.TokenizeRequest) -> bool:
         return self._child is not None and self._long(req)
 

@@ -30,8 +30,10 @@ from scheduler_svc.auth import ApiKey, ApiKeyInterceptor
 from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.constraint_check import ConstraintChecker
 from scheduler_svc.engine import Engine
-from scheduler_svc.errors import ServiceError
+from scheduler_svc.errors import InvalidArgument, ServiceError
 from scheduler_svc.lora_registry import FailedPrecondition, NotFound
+from scheduler_svc.pooling_requests import PoolingFrontEnd
+from scheduler_svc.pooling_stream import PoolParams
 from scheduler_svc.prompts import MAX_REPLY_BYTES, PromptWorker
 from scheduler_svc.request_decoding import DecodeRequests
 from scheduler_svc.tokenizer import ModelSpec
@@ -45,9 +47,14 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, spec: ModelSpec, model_name: str, model_dir: Path | str | None = None):
-        """`model_dir`: the tokenizer's directory, for the child process that tokenizes huge texts (prompts.py)."""
+    def __init__(
+        self, engine: Engine, spec: ModelSpec, model_name: str, model_dir: Path | str | None = None,
+        pooling: PoolingFrontEnd | None = None,
+    ):
+        """`model_dir`: the tokenizer's directory, for the child process that tokenizes huge texts (prompts.py);
+        `pooling`: the pooling model's rules (--runner pooling: Embed and Rerank, no Generate)."""
         self.engine = engine
+        self.pooling = pooling
         self.spec = spec
         self.model_name = model_name
         self.prompts = PromptWorker(engine.tokenizer, spec, engine.config.max_model_len, model_dir=model_dir)
@@ -59,6 +66,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
         The one admission path of both APIs (`vllm.grpc.engine` translates its requests to ours first).
         """
+        if self.pooling is not None:
+            raise InvalidArgument("model", f"{self.model_name!r} is a pooling model (--runner pooling): it serves Embed "
+                                           f"and Rerank, not Generate")
         self.engine.check_admission()  # the tenant's share and the queue, before any work
         lora = await self._adapter(request.model)
         params = await self.prompts.generate_params(request)
@@ -83,6 +93,47 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             if not stream.done:  # the client cancelled or its deadline passed
                 log.info("request %r cancelled by the client", params.request_id)
+                self.engine.abort(params.request_id, tenant=stream.tenant)
+
+    async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+        """Check the caller's share, validate and tokenize `request`, run it; ServiceError naming the field
+        otherwise. The one Embed path of both APIs (`vllm.grpc.engine`'s Embed translates to it)."""
+        pooling = self._pooling("Embed")
+        self.engine.check_admission()  # the tenant's share and the queue, before any work
+        await self._adapter(request.model)
+        params = await self.prompts.run(pooling.embed_params, request)
+        return pooling.embed_response(params, await self._pooled(params))
+
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        try:
+            return await self.embed(request)
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
+        try:
+            pooling = self._pooling("Rerank")
+            self.engine.check_admission()
+            await self._adapter(request.model)
+            params = await self.prompts.run(pooling.rerank_params, request)
+            return pooling.rerank_response(request, params, await self._pooled(params))
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+
+    def _pooling(self, rpc: str) -> PoolingFrontEnd:
+        if self.pooling is None:
+            raise InvalidArgument("model", f"{self.model_name!r} is a generation model; {rpc} needs a pooling model "
+                                           f"(an embedding model or a cross-encoder, served with --runner pooling)")
+        return self.pooling
+
+    async def _pooled(self, params: PoolParams) -> list[list[float]]:
+        """Submit a validated pooling request under the caller's tenant; every input's values.
+        A cancelled call (the client left, its deadline passed) aborts it."""
+        stream = self.engine.submit_pooling(params)
+        try:
+            return await stream.result()
+        finally:
+            if not stream.done:
                 self.engine.abort(params.request_id, tenant=stream.tenant)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
@@ -178,6 +229,7 @@ async def build_server(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     model_dir: Path | str | None = None,
     max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
+    pooling: PoolingFrontEnd | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """The server on `address`: API keys required when `api_keys`, TLS when `credentials`.
 
@@ -187,7 +239,7 @@ async def build_server(
     server = grpc.aio.server(
         interceptors=[*keys, DecodeRequests()], options=grpc_options(max_request_bytes, max_concurrent_streams)
     )
-    generation = GenerationServicer(engine, spec, model_name, model_dir)
+    generation = GenerationServicer(engine, spec, model_name, model_dir, pooling)
     pb_grpc.add_GenerationServicer_to_server(generation, server)
     add_vllm_engine(server, engine, spec, model_name, model_dir, generation)
     health_servicer = health.aio.HealthServicer()

@@ -31,11 +31,14 @@ from pagoda.client.types import (
     ChatMessage,
     Chunk,
     Completion,
+    Embeddings,
     ExecutorInfo,
     FinishReason,
     GenerateParams,
     ModelInfo,
     Output,
+    Reranked,
+    RerankResult,
     ServerInfo,
     TokenLogprob,
     Tokens,
@@ -45,8 +48,8 @@ from pagoda.client.types import (
 
 __all__ = [
     "AlreadyExists", "AsyncClient", "AsyncStream", "Cancelled", "ChatMessage", "Chunk", "Client", "Completion",
-    "DeadlineExceeded", "ExecutorInfo", "FailedPrecondition", "FinishReason", "GenerateParams", "InvalidArgument",
-    "ModelInfo", "NotFound", "Output", "PagodaError", "PermissionDenied", "ResourceExhausted", "ResumeMismatch",
+    "DeadlineExceeded", "Embeddings", "ExecutorInfo", "FailedPrecondition", "FinishReason", "GenerateParams", "InvalidArgument",
+    "ModelInfo", "NotFound", "Output", "PagodaError", "PermissionDenied", "Reranked", "RerankResult", "ResourceExhausted", "ResumeMismatch",
     "RetryPolicy", "ServerInfo", "Stream", "TLSConfig", "TokenLogprob", "Tokens", "TopLogprob", "Unauthenticated",
     "Unavailable", "Usage",
 ]

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from pagoda.client.base import HEALTH_REQUEST, SERVING, ClientBase
 from pagoda.client.resume import StreamAttempts, StreamView, unary_retry_wait
-from pagoda.client.types import Chunk, Completion, GenerateParams, ModelInfo, Prompt, ServerInfo, Tokens
+from pagoda.client.types import (
+    Chunk, Completion, EmbedInput, Embeddings, GenerateParams, ModelInfo, Prompt, Reranked, ServerInfo, Tokens,
+    embed_request, rerank_request,
+)
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
 
@@ -105,6 +109,21 @@ class AsyncClient(ClientBase):
             except grpc.aio.AioRpcError:
                 continue
         return False
+
+    async def embed(self, inputs: EmbedInput, *, normalize: bool | None = None, dimensions: int | None = None,
+              truncate_prompt_tokens: int | None = None, request_id: str | None = None, model: str = "",
+              api_key: str | None = None, timeout: float | None = None) -> Embeddings:
+        """Embed `inputs` (a text, texts, token ids or lists of them) with the served pooling model:
+        one vector per input. `normalize` None follows the model; `dimensions` cuts a Matryoshka model's vectors."""
+        req = embed_request(inputs, normalize=normalize, dimensions=dimensions, truncate_prompt_tokens=truncate_prompt_tokens,
+                            request_id=request_id or uuid.uuid4().hex, model=model)
+        return Embeddings.from_proto(await self._unary("Embed", req, api_key, timeout))
+
+    async def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None, request_id: str | None = None,
+               model: str = "", api_key: str | None = None, timeout: float | None = None) -> Reranked:
+        """Score `documents` against `query` with the served cross-encoder (or embedding model): best first."""
+        req = rerank_request(query, documents, top_n=top_n, request_id=request_id or uuid.uuid4().hex, model=model)
+        return Reranked.from_proto(await self._unary("Rerank", req, api_key, timeout))
 
     async def abort(self, *request_ids: str, api_key: str | None = None) -> None:
         await self._unary("Abort", pb.AbortRequest(request_ids=request_ids), api_key)

@@ -8,6 +8,8 @@
     pagoda generate "SELECT" --model sql-lora       # ... selected per request (chat takes --model too)
     pagoda unload-lora sql-lora
     pagoda bench --num-requests 16 --output-len 64  # bench/loadgen.py against --target
+    pagoda embed "a query" "a passage"              # a pooling model's vectors, one JSON line each
+    pagoda rerank "a query" "doc one" "doc two"     # a cross-encoder's scores, best first
 
 Every command takes the connection flags (`--target`, `--api-key`, `--ssl-*`; each also
 reads its `PAGODA_*` variable, `--target` ← `PAGODA_TARGET`). When no target accepts a connection
@@ -125,6 +127,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     unload = sub.add_parser("unload-lora", parents=[parent], help="unload a LoRA adapter (requests in flight finish)")
     unload.add_argument("lora_name", metavar="NAME")
 
+    embed = sub.add_parser("embed", parents=[parent], help="embed texts with a pooling model (--runner pooling)")
+    embed.add_argument("texts", nargs="+", metavar="TEXT", help='texts to embed ("-": one per line of standard input)')
+    embed.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                       help="L2-normalize the vectors (default: as the model's folder says)")
+    embed.add_argument("--dimensions", type=int, help="cut a Matryoshka model's vectors to this size")
+    embed.add_argument("--truncate-prompt-tokens", type=int, metavar="K", help="cut texts longer than the model to K tokens")
+    embed.add_argument("--usage", action="store_true", help="print the token count to standard error")
+    rerank = sub.add_parser("rerank", parents=[parent], help="score documents against a query with a cross-encoder")
+    rerank.add_argument("query")
+    rerank.add_argument("documents", nargs="+", metavar="DOCUMENT")
+    rerank.add_argument("--top-n", type=int, help="only the best N")
+
     sub.add_parser("bench", parents=[parent], add_help=False,
                    help="the load generator, bench/loadgen.py (its flags pass through; --help lists them)")
     args, rest = parser.parse_known_args(argv)
@@ -234,6 +248,26 @@ def cmd_unload_lora(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_embed(client: Client, args: argparse.Namespace) -> int:
+    """One JSON line per text: {"index", "embedding"}."""
+    texts = [line for text in args.texts for line in (sys.stdin.read().splitlines() if text == "-" else [text])]
+    reply = client.embed(texts, normalize=args.normalize, dimensions=args.dimensions,
+                         truncate_prompt_tokens=args.truncate_prompt_tokens)
+    for index, vector in enumerate(reply.vectors):
+        print(json.dumps({"index": index, "embedding": list(vector)}))
+    if args.usage:
+        print(f"prompt tokens: {reply.usage.prompt_tokens}", file=sys.stderr)
+    return 0
+
+
+def cmd_rerank(client: Client, args: argparse.Namespace) -> int:
+    """One line per document, best first: score, index, text."""
+    reply = client.rerank(args.query, args.documents, top_n=args.top_n)
+    for result in reply.results:
+        print(f"{result.relevance_score:.6f}\t{result.index}\t{args.documents[result.index]}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """bench/loadgen.py itself, with `--target` from the connection flags unless given."""
     if not (REPO_ROOT / "bench" / "loadgen.py").is_file():
@@ -259,7 +293,7 @@ def main(argv=None) -> int:
     if args.command == "bench":
         return cmd_bench(args)
     commands = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "load-lora": cmd_load_lora,
-                "unload-lora": cmd_unload_lora}
+                "unload-lora": cmd_unload_lora, "embed": cmd_embed, "rerank": cmd_rerank}
     try:
         with Client(**client_options(args), timeout=args.timeout) as client:
             if args.connect_timeout > 0 and wait_connected(client, args.connect_timeout) is None:

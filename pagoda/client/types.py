@@ -337,3 +337,71 @@ class ServerInfo:
 class Tokens:
     token_ids: tuple[int, ...]
     tokens: tuple[str, ...]
+
+
+EmbedInput = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
+"""What Embed takes: a text, texts, one list of token ids, or several."""
+
+
+def embed_request(inputs: EmbedInput, *, normalize: bool | None = None, dimensions: int | None = None,
+                  truncate_prompt_tokens: int | None = None, request_id: str = "", model: str = "") -> pb.EmbedRequest:
+    """An EmbedRequest of `inputs`: a text, texts, one list of token ids or several (as OpenAI's `input`)."""
+    req = pb.EmbedRequest(request_id=request_id, model=model)
+    if isinstance(inputs, str):
+        req.texts.append(inputs)
+    elif inputs and all(isinstance(item, str) for item in inputs):
+        req.texts.extend(inputs)
+    elif inputs and all(isinstance(item, int) and not isinstance(item, bool) for item in inputs):
+        req.token_ids.append(pb.TokenIds(ids=inputs))
+    else:
+        for item in inputs:
+            if isinstance(item, str) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                raise ValueError("embed: inputs are a text, texts, a list of token ids or lists of token ids")
+            req.token_ids.append(pb.TokenIds(ids=item))
+    for name, value in (("normalize", normalize), ("dimensions", dimensions),
+                        ("truncate_prompt_tokens", truncate_prompt_tokens)):
+        if value is not None:
+            setattr(req, name, value)
+    return req
+
+
+def rerank_request(query: str, documents: Sequence[str], *, top_n: int | None = None, request_id: str = "",
+                   model: str = "") -> pb.RerankRequest:
+    if isinstance(documents, str):
+        raise ValueError("rerank: documents is a list of texts")
+    req = pb.RerankRequest(request_id=request_id, query=query, documents=documents, model=model)
+    if top_n is not None:
+        req.top_n = top_n
+    return req
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """Embed's answer: one vector per input, in the inputs' order."""
+
+    vectors: tuple[tuple[float, ...], ...]
+    usage: Usage
+
+    @classmethod
+    def from_proto(cls, msg: pb.EmbedResponse) -> Embeddings:
+        ordered = sorted(msg.embeddings, key=lambda e: e.index)
+        return cls(tuple(tuple(e.values) for e in ordered), Usage(prompt_tokens=msg.usage.prompt_tokens))
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    index: int  # of the document
+    relevance_score: float
+
+
+@dataclass(frozen=True)
+class Reranked:
+    """Rerank's answer: the documents' scores, best first."""
+
+    results: tuple[RerankResult, ...]
+    usage: Usage
+
+    @classmethod
+    def from_proto(cls, msg: pb.RerankResponse) -> Reranked:
+        return cls(tuple(RerankResult(r.index, r.relevance_score) for r in msg.results),
+                   Usage(prompt_tokens=msg.usage.prompt_tokens))

@@ -8,6 +8,9 @@ from scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
 from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig, fit_error
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from scheduler_svc.core.pooling_scheduler import (
+    PoolingRequest, PoolingScheduler, PoolingSchedulerConfig, PoolUpdate,
+)
 from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats, SpecDecodeStats
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
@@ -21,6 +24,10 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheEvent",
     "KVCacheManager",
+    "PoolUpdate",
+    "PoolingRequest",
+    "PoolingScheduler",
+    "PoolingSchedulerConfig",
     "Request",
     "RequestStatus",
     "RequestUpdate",

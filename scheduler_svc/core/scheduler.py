@@ -159,6 +159,10 @@ class Scheduler:
     def max_seq_len(self) -> int:
         return self._max_seq_len
 
+    def num_prefix_cached_tokens(self, request: Request) -> int:
+        """Tokens of `request` this executor's prefix cache holds now (routing)."""
+        return self.kv_cache_manager.num_prefix_cached_tokens(request.all_token_ids, request.prefix_salt)
+
     def can_admit(self, requests: Sequence[Request], num_cached_tokens: int = 0) -> bool:
         """Whether the next `schedule()` would likely start `requests` (one group; late binding).
 

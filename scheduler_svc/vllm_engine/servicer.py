@@ -18,7 +18,8 @@ TLS and message limits (the server's interceptor and options cover both), so SMG
     FlushCache         empty every executor's prefix cache once the scheduler is idle (admin keys only)
     SubscribeKvEvents  the prefix caches' blocks (kv_events.py), the load record on each batch
                        and as heartbeats (smg_grpc_servicer.load_record, SMG's own pacing)
-    Embed, StartProfile, StopProfile   UNIMPLEMENTED, saying why
+    Embed              a pooling model (--runner pooling): one input through pagoda.v1's Embed
+    StartProfile, StopProfile   UNIMPLEMENTED, saying why
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class Admission(Protocol):
     tokenization, the constraint's compile check and the tenant's cache salt, then `engine.submit`."""
 
     async def submit(self, request: pb.GenerateRequest) -> tuple[GenerateParams, ClientStream]: ...
+
+    async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse: ...
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # What a FlushCache with timeout_s 0 waits at most (vLLM's servicer bounds its one attempt alike).
@@ -123,8 +126,25 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             self.engine.abort(request_id)
         return vpb.AbortResponse()
 
-    async def Embed(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: this engine serves a generative model only")
+    async def Embed(self, request: vpb.EmbedRequest, context) -> vpb.EmbedResponse:
+        """One input (its token ids, else its text) through pagoda.v1's Embed: the same checks and
+        tokenizer, the model's own normalization; field names are the protocol's."""
+        self.last_receive_time = time.time()
+        tokenized = request.tokenized
+        req = pb.EmbedRequest(request_id=request.request_id)
+        if tokenized.input_ids:
+            req.token_ids.append(pb.TokenIds(ids=tokenized.input_ids))
+        else:
+            req.texts.append(tokenized.original_text)
+        try:
+            reply = await self.admission.embed(req)
+        except ServiceError as exc:
+            message = exc.message.replace("token_ids[0].ids", "tokenized.input_ids", 1).replace(
+                "texts[0]", "tokenized.original_text", 1).replace("texts:", "tokenized:", 1)
+            await context.abort(exc.code, message)
+            return
+        values = reply.embeddings[0].values
+        return vpb.EmbedResponse(embedding=values, prompt_tokens=reply.usage.prompt_tokens, embedding_dim=len(values))
 
     # ---- facts and load -----------------------------------------------------------------
 
@@ -140,7 +160,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         max_model_len = self.engine.config.max_model_len
         return vpb.GetModelInfoResponse(
             model_path=str(self.model_dir or ""),
-            is_generation=True,
+            is_generation=self.engine.config.runner == "generate",
             max_context_length=max_model_len,
             vocab_size=spec.vocab_size,
             supports_vision=False,

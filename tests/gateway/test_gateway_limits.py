@@ -205,6 +205,10 @@ def test_the_gateway_limits_are_the_schedulers():
 
     for name in ("MAX_N", "MAX_TOP_LOGPROBS", "MAX_STOP_STRINGS", "MAX_LOGIT_BIAS_ENTRIES", "MAX_ABS_LOGIT_BIAS"):
         assert getattr(schemas, name) == getattr(validation, name), name
+    from gateway_svc import pooling
+    from scheduler_svc import pooling_requests
+
+    assert pooling.MAX_INPUTS == pooling_requests.MAX_POOL_INPUTS
 
 
 def test_the_port_reads_pagoda_gateway_port_not_the_schedulers_variable(monkeypatch):

@@ -155,6 +155,14 @@ def test_bad_inputs_get_invalid_argument_naming_the_field(service, hf_reference)
     assert all(e.num_free_blocks == e.num_total_blocks for e in info.executors)
 
 
+def test_embed_and_rerank_to_a_generation_model_name_the_model(service):
+    for call, req in ((service.stub.Embed, pb.EmbedRequest(texts=["hello"])),
+                      (service.stub.Rerank, pb.RerankRequest(query="hello", documents=["world"]))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(req, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("model:")
+
+
 def test_duplicate_in_flight_request_id_is_refused(service, hf_reference):
     _, tokenizer = hf_reference
     prompt = chat_ids(tokenizer, CHATS[3])

@@ -328,14 +328,24 @@ def _raw_call(svc, pki, key, method: str, payload: bytes, stream: bool):
         channel.close()
 
 
-@pytest.mark.parametrize("payload", [b"\x0a\x03\xff\xfe\xfd", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x04\xc3\x28ab"],
-                         ids=["request_id-not-utf8", "corrupt-wire-format", "prompt-text-not-utf8"])
-@pytest.mark.parametrize("method, stream", [("Generate", True), ("Tokenize", False)])
-def test_a_message_that_does_not_parse_is_invalid_argument(service, pki, payload, method, stream):
+NOT_A_MESSAGE = "request: not a valid message"
+
+
+@pytest.mark.parametrize("method, stream, payload, refusal", [
+    # field 1 not UTF-8: Generate's request_id, Tokenize's text (named by the field)
+    ("Generate", True, b"\x0a\x03\xff\xfe\xfd", "request_id: not valid UTF-8"),
+    ("Tokenize", False, b"\x0a\x03\xff\xfe\xfd", "text: not valid UTF-8"),
+    ("Generate", True, b"\x0a\xff\xff\xff\xff\x0f", NOT_A_MESSAGE),  # corrupt wire format
+    ("Tokenize", False, b"\x0a\xff\xff\xff\xff\x0f", NOT_A_MESSAGE),
+    # field 2: Generate's text prompt; Tokenize's chat, whose bytes are no message
+    ("Generate", True, b"\x12\x04\xc3\x28ab", "text: not valid UTF-8"),
+    ("Tokenize", False, b"\x12\x04\xc3\x28ab", NOT_A_MESSAGE),
+])
+def test_a_message_that_does_not_parse_is_invalid_argument(service, pki, method, stream, payload, refusal):
     with pytest.raises(grpc.RpcError) as err:
         _raw_call(service, pki, BOB, method, payload, stream)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-    assert err.value.details().startswith("request: not a valid message")
+    assert err.value.details().startswith(refusal), err.value.details()
     with pytest.raises(grpc.RpcError) as err:  # without a key it is never parsed
         _raw_call(service, pki, None, method, payload, stream)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

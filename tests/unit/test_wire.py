@@ -89,3 +89,18 @@ def test_kv_cache_groups_roundtrip():
     msg = pb.Register(kv_cache_groups=wire.kv_cache_groups_to_proto(groups))
     assert wire.kv_cache_groups_from_proto(pb.Register.FromString(msg.SerializeToString()).kv_cache_groups) == groups
     assert wire.kv_cache_groups_from_proto([]) == (KVCacheGroupSpec(()),)  # an executor naming none: one full group
+
+
+def test_pooling_plan_and_result_roundtrip():
+    from pagoda.step import PooledOutput, PoolRequest, PoolTask
+
+    plan = StepPlan(
+        step_id=3,
+        pool_requests=[
+            PoolRequest("e", [101, 7, 102], PoolTask.EMBED, normalize=True, dimensions=64),
+            PoolRequest("c", [101, 7, 102, 9, 102], PoolTask.CLASSIFY, token_type_ids=[0, 0, 0, 1, 1]),
+        ],
+    )
+    assert _roundtrip(wire.plan_to_proto, wire.plan_from_proto, plan, pb.StepPlan) == plan
+    result = StepResult(step_id=3, pooled=[PooledOutput("e", [0.5, -0.25]), PooledOutput("c", [0.75])])
+    assert _roundtrip(wire.result_to_proto, wire.result_from_proto, result, pb.StepResult) == result
