@@ -80,9 +80,9 @@ class PoolingRunner:
 
     runner = "pooling"
     num_kv_blocks = 2
-    # a step's inputs run in batches of about this many tokens (a longer input alone): on a 2-core
-    # AVX2 EPYC, BGE-small's shape, 2,048 took ~13 % less CPU time than 8,192 (bench/README.md);
-    # on a GPU a larger batch is better
+    # a step's inputs run in batches of about this many tokens (a longer input alone), which bounds
+    # the activations' memory; on the shared 2-core AVX2 EPYC, BGE-small's shape, 1,024-8,192 took
+    # the same CPU time within its noise (bench/README.md). A GPU takes larger batches.
     max_batch_tokens = 2048
     kv_cache_groups = ()
     loras = None
