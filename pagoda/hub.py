@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 METADATA_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "vocab.txt", "sentencepiece.bpe.model",
     "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json", "1_Pooling/config.json",
 )
 WEIGHTS_INDEX = "model.safetensors.index.json"
