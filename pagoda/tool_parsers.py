@@ -236,6 +236,11 @@ class _Mistral(ToolParser):
 def _typed(value: str, schema) -> object:
     """A qwen3_coder parameter's text as its schema's type (vLLM's conversion)."""
     kind = schema.get("type") if isinstance(schema, dict) else None
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    if isinstance(enum, list):  # blanks around it are the format's (its grammar allows them)
+        match = next((e for e in enum if (e if isinstance(e, str) else json.dumps(e)) == value.strip()), None)
+        if match is not None:
+            return match
     if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
         return value
     if kind == "integer":

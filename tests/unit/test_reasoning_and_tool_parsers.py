@@ -253,4 +253,9 @@ def test_tool_parsers_are_vllms_names_and_unknown_ones_are_refused():
     assert get_tool_parser("qwen3_coder").parse(
         "<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
         "</function>", TOOLS)[1] == [("get_weather", json.dumps({"city": "42", "days": 3}))]  # typed by the schema
+    enums = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "zone": {"enum": ["CET", "UTC"]}, "n": {"enum": [1, 2]}}}}}]
+    assert get_tool_parser("qwen3_coder").parse(
+        "<function=f>\n<parameter=zone>\nUTC \n</parameter><parameter=n> 2\n\n</parameter>\n</function>",
+        enums)[1] == [("f", '{"zone": "UTC", "n": 2}')]  # blanks the grammar allows around a value
     assert get_tool_parser("pythonic").parse("[get_weather(city=open('x'))]") == ("[get_weather(city=open('x'))]", [])
