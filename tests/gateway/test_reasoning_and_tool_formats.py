@@ -217,7 +217,7 @@ def test_forced_calls_in_each_format_streamed_or_not(gateways, grpc_client, no_b
 @pytest.mark.parametrize("parser", list(TOOL_PARSERS))
 def test_a_free_call_in_each_format_is_read_streamed_or_not(gateways, parser):
     oai = oai_for(gateways, parser)
-    request = dict(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0, tools=TOOLS,
+    request = dict(model=MODEL, messages=MESSAGES, max_tokens=96, temperature=0, tools=TOOLS,
                    extra_body={**NO_THINKING, "structured_outputs": {"choice": [FREE[parser]]}})
     reply = oai.chat.completions.create(**request)
     message = reply.choices[0].message
