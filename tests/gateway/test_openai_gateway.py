@@ -259,7 +259,9 @@ def test_tool_choice_required_calls_the_tools_streamed_or_not(oai, grpc_client, 
                   tool_choice="required", parallel_tool_calls=parallel)
     reply = oai.chat.completions.create(**kwargs)
     choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    # parallel: the model may call on until max_tokens; the calls it closed are read
+    assert choice.finish_reason in ("tool_calls", "length" if parallel else "tool_calls")
+    assert choice.message.content is None
     calls = choice.message.tool_calls
     assert calls and (parallel or len(calls) == 1)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
@@ -267,7 +269,7 @@ def test_tool_choice_required_calls_the_tools_streamed_or_not(oai, grpc_client, 
         assert call.type == "function" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     content, streamed, finish = streamed_chat(oai, **kwargs)
-    assert (content, finish) == ("", "tool_calls")
+    assert (content, finish) == ("", choice.finish_reason)
     assert [(c["name"], c["arguments"]) for c in streamed.values()] == \
            [(c.function.name, c.function.arguments) for c in calls]
 
