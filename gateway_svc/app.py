@@ -250,7 +250,7 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
 
 
 def _chat_choice(c: Choice, content: str | None, tool_calls: list[dict], logprobs: bool, reasoning: bool) -> dict:
-    message = {"role": "assistant", "content": content}
+    message = {"role": "assistant", "content": content if content or not c.reasoning else None}  # vLLM's null
     if c.reasoning and reasoning:  # vLLM's field, and its newer name
         message["reasoning_content"] = message["reasoning"] = c.reasoning
     if tool_calls:
