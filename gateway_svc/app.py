@@ -26,8 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway_svc.admission import Admission, KeyVerdicts
 from gateway_svc.body import bearer, parse_body
 from gateway_svc.errors import GatewayError, validation_error
+from gateway_svc.messages import messages_router
 from gateway_svc.metrics import GatewayMetrics
 from gateway_svc.models import ModelName, models_router
+from gateway_svc.response_store import ResponseStore
+from gateway_svc.responses import responses_router
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest
 from gateway_svc.tools import ToolDeltas, read_output, structured
 from gateway_svc.translate import (
@@ -114,7 +117,9 @@ async def _until_disconnected(request: Request, coro):
         task.cancel()
 
 
-def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               response_store: ResponseStore | None = None) -> FastAPI:
+    """`response_store`: where `/v1/responses` keeps stored responses (None: in memory)."""
     app = FastAPI(title="Pagoda OpenAI-compatible gateway", docs_url=None, redoc_url=None)
     metrics = GatewayMetrics()
     app.add_middleware(Admission, verdicts=KeyVerdicts(client), max_request_bytes=max_request_bytes)
@@ -146,6 +151,9 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
         return Response(metrics.render(), media_type=metrics.content_type)
 
     app.include_router(models_router(client))
+    store = ResponseStore(":memory:") if response_store is None else response_store
+    app.include_router(responses_router(client, model, store))
+    app.include_router(messages_router(client, model))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
