@@ -172,9 +172,16 @@ def stop_reason(finish: str, matched_stop: str) -> str:
     return "stop_sequence" if matched_stop else _STOP_REASON[finish]
 
 
-def usage_object(usage: Usage | None) -> dict:
-    return {"input_tokens": usage.prompt_tokens if usage else 0, "output_tokens": usage.completion_tokens if usage else 0,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_prompt_tokens if usage else 0}
+def usage_object(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    """Anthropic's usage: `input_tokens` are the prompt's tokens not read from the prefix cache
+    (`cache_read_input_tokens`); their sum is the chat completion's `prompt_tokens`."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
+
+
+def final_usage(usage: Usage | None) -> dict:
+    return usage_object(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) if usage else \
+        usage_object(0, 0, 0)
 
 
 def _tool_input(arguments: str) -> dict | None:
@@ -201,9 +208,9 @@ def content_blocks(answer: Answer) -> list[dict]:
 
 
 def message_object(mid: str, name: str, content: list[dict], reason: str | None, matched_stop: str,
-                   usage: Usage | None) -> dict:
+                   usage: dict) -> dict:
     return {"id": mid, "type": "message", "role": "assistant", "model": name, "content": content,
-            "stop_reason": reason, "stop_sequence": matched_stop or None, "usage": usage_object(usage)}
+            "stop_reason": reason, "stop_sequence": matched_stop or None, "usage": usage}
 
 
 class EventWriter:
@@ -267,7 +274,8 @@ def messages_router(client: AsyncClient, model: ModelName) -> APIRouter:
             if not body.stream:
                 answer = await run.answer()
                 reason = stop_reason(answer.finish, answer.matched_stop)
-                return message_object(mid, name, content_blocks(answer), reason, answer.matched_stop, answer.usage)
+                return message_object(mid, name, content_blocks(answer), reason, answer.matched_stop,
+                                      final_usage(answer.usage))
             deltas = run.deltas()
             first = await anext(deltas, None)
         except PagodaError as exc:
@@ -277,7 +285,8 @@ def messages_router(client: AsyncClient, model: ModelName) -> APIRouter:
         writer = EventWriter()
 
         async def events() -> AsyncIterator[str]:
-            yield writer.event("message_start", message=message_object(mid, name, [], None, "", None))
+            prompt = usage_object(run.stream.num_prompt_tokens or 0, run.stream.num_cached_tokens or 0, 0)
+            yield writer.event("message_start", message=message_object(mid, name, [], None, "", prompt))
             yield writer.event("ping")
             try:
                 if first is not None:
@@ -296,7 +305,7 @@ def messages_router(client: AsyncClient, model: ModelName) -> APIRouter:
                 yield e
             yield writer.event("message_delta", delta={"stop_reason": stop_reason(run.finish, run.matched_stop),
                                                        "stop_sequence": run.matched_stop or None},
-                               usage=usage_object(run.usage))
+                               usage=final_usage(run.usage))
             yield writer.event("message_stop")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
