@@ -15,6 +15,8 @@ from gateway_svc.response_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_COUNT, Res
 from pagoda.cli import add_flag
 from pagoda.client import AsyncClient
 from pagoda.client.flags import add_connection_flags, client_options
+from pagoda.reasoning import reasoning_parser_names
+from pagoda.tool_parsers import TOOL_PARSERS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -27,6 +29,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
              help="largest request body (413 past it); the scheduler's flag of the same name and default")
     add_flag(p, "--log-level", default="INFO")
+    add_flag(p, "--reasoning-parser", default=None, choices=reasoning_parser_names(),
+             help="split the reasoning (`reasoning_content`) with this parser (default: the scheduler's, chosen "
+                  "from the chat template; none: no split)")
+    add_flag(p, "--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
+             help="the models' tool-call format, read and constrained (default: the scheduler's, chosen from the "
+                  "chat template; hermes when it says nothing)")
     g = p.add_argument_group("stored responses (/v1/responses with store: true)")
     add_flag(g, "--responses-db", default=str(default_path()), help="SQLite file of the stored responses")
     add_flag(g, "--responses-max-count", type=int, default=DEFAULT_MAX_COUNT,
@@ -47,7 +55,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     client = AsyncClient(**client_options(args), timeout=args.request_timeout)
     store = ResponseStore(args.responses_db, args.responses_max_count, args.responses_max_age)
-    app = create_app(client, max_request_bytes=args.max_request_bytes, response_store=store)
+    app = create_app(client, max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
+                     tool_call_parser=args.tool_call_parser, response_store=store)
     logging.getLogger("gateway_svc").info("OpenAI API on http://%s:%d/v1 -> %s", args.host, args.port,
                                           ",".join(client.targets))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

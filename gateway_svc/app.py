@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway_svc.admission import Admission, KeyVerdicts
+from gateway_svc.agent_chat import ChatOptions
 from gateway_svc.body import bearer, parse_body
 from gateway_svc.errors import GatewayError, validation_error
 from gateway_svc.messages import messages_router
@@ -32,7 +33,7 @@ from gateway_svc.models import ModelName, models_router
 from gateway_svc.response_store import ResponseStore
 from gateway_svc.responses import responses_router
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest
-from gateway_svc.tools import ToolDeltas, read_output, structured
+from gateway_svc.tools import SPECIAL_TOKEN_PARSERS, ToolDeltas, read_output, structured
 from gateway_svc.translate import (
     FINISH,
     Choice,
@@ -46,6 +47,7 @@ from gateway_svc.translate import (
     usage_json,
 )
 from pagoda.client import AsyncClient, AsyncStream, Chunk, PagodaError
+from pagoda.tool_parsers import DEFAULT_TOOL_PARSER, get_tool_parser
 
 log = logging.getLogger("gateway_svc")
 
@@ -118,8 +120,11 @@ async def _until_disconnected(request: Request, coro):
 
 
 def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
                response_store: ResponseStore | None = None) -> FastAPI:
-    """`response_store`: where `/v1/responses` keeps stored responses (None: in memory)."""
+    """`reasoning_parser`: sent with each chat (None: the scheduler's choice); `tool_call_parser`:
+    the tool-call format (None: the scheduler's `ModelInfo.tool_call_parser`, else hermes);
+    `response_store`: where `/v1/responses` keeps stored responses (None: in memory)."""
     app = FastAPI(title="Pagoda OpenAI-compatible gateway", docs_url=None, redoc_url=None)
     metrics = GatewayMetrics()
     app.add_middleware(Admission, verdicts=KeyVerdicts(client), max_request_bytes=max_request_bytes)
@@ -152,8 +157,9 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
 
     app.include_router(models_router(client))
     store = ResponseStore(":memory:") if response_store is None else response_store
-    app.include_router(responses_router(client, model, store))
-    app.include_router(messages_router(client, model))
+    options = ChatOptions(reasoning_parser, tool_call_parser)
+    app.include_router(responses_router(client, model, options, store))
+    app.include_router(messages_router(client, model, options))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -202,9 +208,11 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
         body = await parse_body(request, ChatCompletionRequest)
         key = bearer(request)
         name, request.state.adapter = await model.select(body.model, key)
-        output = structured(body)
+        parser = get_tool_parser(tool_call_parser or (model.info and model.info.tool_call_parser) or DEFAULT_TOOL_PARSER)
+        output = structured(body, parser)
         request.state.constraint_param = output.param
-        params = chat_params(body, output.params, request.state.adapter)
+        params = chat_params(body, output.params, request.state.adapter, reasoning_parser,
+                             special_tokens=bool(output.mode) and parser.name in SPECIAL_TOKEN_PARSERS)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = client.chat(chat_messages(body), params, tools=output.tools, request_id=rid, api_key=key)
         log.info("%s: %d message(s), n=%d, user=%s", rid, len(body.messages), body.n, _user(body))
@@ -222,6 +230,8 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
                     calls = tool_deltas.setdefault(chunk.index, ToolDeltas(output, body.parallel_tool_calls))
                     delta = calls.add(chunk.text, finish is not None)
                     finish = "tool_calls" if finish == "stop" and calls.num_calls else finish
+                if chunk.reasoning_text and body.include_reasoning:
+                    delta = {"reasoning_content": chunk.reasoning_text, "reasoning": chunk.reasoning_text, **delta}
                 if chunk.index not in opened:
                     opened.add(chunk.index)
                     delta = {"role": "assistant", "content": None if output.mode else chunk.text, **delta}
@@ -236,7 +246,8 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
             choices: dict[int, Choice] = {}
             async for chunk in stream:
                 choices.setdefault(chunk.index, Choice(chunk.index)).add(chunk, body.logprobs)
-            out = [_chat_choice(c, *read_output(output, c.text, body.parallel_tool_calls), body.logprobs)
+            out = [_chat_choice(c, *read_output(output, c.text, body.parallel_tool_calls), body.logprobs,
+                                body.include_reasoning)
                    for c in (choices[k] for k in sorted(choices))]
             return {**head, "choices": out, "usage": usage_json([stream.usage])}
 
@@ -245,8 +256,10 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
     return app
 
 
-def _chat_choice(c: Choice, content: str | None, tool_calls: list[dict], logprobs: bool) -> dict:
+def _chat_choice(c: Choice, content: str | None, tool_calls: list[dict], logprobs: bool, reasoning: bool) -> dict:
     message = {"role": "assistant", "content": content}
+    if c.reasoning and reasoning:  # vLLM's field, and its newer name
+        message["reasoning_content"] = message["reasoning"] = c.reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": c.index, "message": message, "logprobs": chat_logprobs(c.entries) if logprobs else None,

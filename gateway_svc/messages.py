@@ -6,10 +6,12 @@ blocks its tool calls, a user's `tool_result` blocks "tool" messages (before the
 they answer the turn before); `tools` (`input_schema` as the parameters), `tool_choice` (`auto`,
 `any` = required, `tool` = a named function, `none`; `disable_parallel_tool_use`),
 `stop_sequences`, `max_tokens` (required, as Anthropic's), `temperature` / `top_p` / `top_k`.
-The answer is chat completions' in Anthropic's blocks (`text`, `tool_use` with the arguments
-as its `input` object), with `stop_reason` end_turn / max_tokens / stop_sequence / tool_use,
-streamed as Anthropic's events (`message_start`, `ping`, `content_block_start` / `_delta` /
-`_stop`, `message_delta` with the stop reason and usage, `message_stop`).
+`thinking` (enabled / disabled) is the chat template's `enable_thinking`. The answer is chat
+completions' in Anthropic's blocks (`thinking` with the reasoning parser's split, `text`,
+`tool_use` with the arguments as its `input` object), with `stop_reason` end_turn / max_tokens /
+stop_sequence / tool_use, streamed as Anthropic's events (`message_start`, `ping`,
+`content_block_start` / `_delta` (`thinking_delta`, `text_delta`, `input_json_delta`) / `_stop`,
+`message_delta` with the stop reason and usage, `message_stop`).
 
 The caller's key comes as `x-api-key` or as `Authorization: Bearer` (`admission.bearer_key`).
 Every error is in Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with the
@@ -27,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, ValidationError
 
-from gateway_svc.agent_chat import Answer, ChatRun, Delta
+from gateway_svc.agent_chat import Answer, ChatOptions, ChatRun, Delta
 from gateway_svc.body import bearer, parse_body
 from gateway_svc.errors import GatewayError, validation_error
 from gateway_svc.models import ModelName
@@ -131,8 +133,19 @@ def chat_messages_of(body: CountTokensRequest) -> list[dict]:
     return system + [x for i, m in enumerate(body.messages) for x in _message(i, m)]
 
 
+def _thinking_enabled(thinking: dict) -> bool:
+    """Anthropic's `thinking` ({"type": "enabled", "budget_tokens": n}, {"type": "disabled"}) as
+    the chat template's `enable_thinking` (Qwen 3's); the budget is not enforced."""
+    kind = thinking.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise GatewayError(400, f"thinking.type: must be enabled or disabled, got {kind!r}", param="thinking.type")
+    return kind != "disabled"
+
+
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     chat: dict[str, Any] = {"model": body.model, "messages": chat_messages_of(body)}
+    if body.thinking is not None:
+        chat["chat_template_kwargs"] = {"enable_thinking": _thinking_enabled(body.thinking)}
     if isinstance(body, MessagesRequest):
         chat.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                     top_p=body.top_p, top_k=body.top_k)
@@ -193,8 +206,10 @@ def _tool_input(arguments: str) -> dict | None:
 
 
 def content_blocks(answer: Answer) -> list[dict]:
-    """Text, then tool_use blocks; a call whose arguments are no JSON object (cut short by
-    max_tokens) is given as text, since tool_use's input must be an object."""
+    """A thinking block (the reasoning parser's split), text, then tool_use blocks; a call whose
+    arguments are no JSON object (cut short by max_tokens) is given as text, since tool_use's
+    input must be an object."""
+    thinking = [{"type": "thinking", "thinking": answer.reasoning, "signature": ""}] if answer.reasoning else []
     texts = [answer.content] if answer.content else []
     blocks = []
     for c in answer.tool_calls:
@@ -204,7 +219,7 @@ def content_blocks(answer: Answer) -> list[dict]:
         else:
             blocks.append({"type": "tool_use", "id": f"toolu_{c['id'].removeprefix('call_')}",
                            "name": c["function"]["name"], "input": tool_input})
-    return [{"type": "text", "text": t} for t in texts] + blocks
+    return thinking + [{"type": "text", "text": t} for t in texts] + blocks
 
 
 def message_object(mid: str, name: str, content: list[dict], reason: str | None, matched_stop: str,
@@ -214,8 +229,9 @@ def message_object(mid: str, name: str, content: list[dict], reason: str | None,
 
 
 class EventWriter:
-    """Anthropic's streamed events of one message: a text block opened at the first text, one
-    tool_use block per call (its arguments as input_json_delta pieces)."""
+    """Anthropic's streamed events of one message: a thinking block opened at the first reasoning
+    (thinking_delta pieces), a text block at the first text, one tool_use block per call (its
+    arguments as input_json_delta pieces)."""
 
     def __init__(self):
         self._index = -1
@@ -233,6 +249,11 @@ class EventWriter:
 
     def delta(self, delta: Delta) -> list[str]:
         events = []
+        if delta.reasoning:
+            if self._open != ("thinking", -1):
+                events += self._start(("thinking", -1), {"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self.event("content_block_delta", index=self._index,
+                                     delta={"type": "thinking_delta", "thinking": delta.reasoning}))
         if delta.text:
             if self._open != ("text", -1):
                 events += self._start(("text", -1), {"type": "text", "text": ""})
@@ -258,12 +279,12 @@ class EventWriter:
 # -- the routes ---------------------------------------------------------------------------------
 
 
-def messages_router(client: AsyncClient, model: ModelName) -> APIRouter:
+def messages_router(client: AsyncClient, model: ModelName, options: ChatOptions) -> APIRouter:
     router = APIRouter()
 
     async def run_of(request: Request) -> tuple[MessagesRequest, ChatRun, str]:
         body = await parse_body(request, MessagesRequest)
-        run, name = await ChatRun.start(client, model, chat_request(body), bearer(request), "msg")
+        run, name = await ChatRun.start(client, model, options, chat_request(body), bearer(request), "msg")
         return body, run, name
 
     @router.post("/v1/messages")

@@ -36,11 +36,13 @@ class ModelName:
     def __init__(self, client: AsyncClient):
         self._client = client
         self._name: str | None = None
+        self.info: ModelInfo | None = None  # the first GetModelInfo's answer (its parsers)
         self._adapters: frozenset[str] = frozenset()  # as last reported: a hint, the scheduler decides
 
     async def get(self, api_key: str | None) -> str:
         if self._name is None:
-            self._name = (await self._client.model_info(api_key=api_key)).name
+            self.info = await self._client.model_info(api_key=api_key)
+            self._name = self.info.name
         return self._name
 
     async def select(self, requested: str | None, api_key: str | None) -> tuple[str, str | None]:

@@ -6,7 +6,8 @@ message, `input` (a text, or items: messages with `input_text` / `output_text` p
 `previous_response_id` names; function `tools`, `tool_choice`, `parallel_tool_calls`,
 `text.format` (json_schema / json_object: the gateway's structured output), `max_output_tokens`,
 `temperature`, `top_p` are chat's fields. The answer is the same as chat completions', given as
-output items (a `message` with one `output_text`, `function_call`s), streamed as OpenAI's typed
+output items (a `reasoning` item holding the reasoning parser's split, a `message` with one
+`output_text`, `function_call`s), streamed as OpenAI's typed
 events with a `sequence_number`. As OpenAI does, the earlier response's `instructions` are not
 carried over, `reasoning` items of the input are not shown to the model, and an answer cut short
 by `max_output_tokens` is `status: "incomplete"`.
@@ -27,7 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, ValidationError
 
-from gateway_svc.agent_chat import Answer, ChatRun, Delta
+from gateway_svc.agent_chat import Answer, ChatOptions, ChatRun, Delta
 from gateway_svc.body import bearer, parse_body
 from gateway_svc.errors import GatewayError, validation_error
 from gateway_svc.models import ModelName
@@ -218,13 +219,20 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
 
 
 def output_items(answer: Answer) -> list[dict]:
-    items = [message_item(_id("msg"), answer.content)] if answer.content else []
+    """A reasoning item (the reasoning parser's split), a message, function calls: those there are."""
+    items = [reasoning_item(_id("rs"), answer.reasoning)] if answer.reasoning else []
+    items += [message_item(_id("msg"), answer.content)] if answer.content else []
     return items + [call_item(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"])
                     for c in answer.tool_calls]
 
@@ -269,12 +277,15 @@ def assistant_turn(output: list[dict]) -> list[dict]:
 
 
 class EventWriter:
-    """OpenAI's streamed events of one response, numbered by `sequence_number`."""
+    """OpenAI's streamed events of one response, numbered by `sequence_number`: a reasoning item
+    and a message item each with one text part (`response.reasoning_text.*`,
+    `response.output_text.*`), then one function_call item per call."""
 
     def __init__(self):
         self.sequence_number = 0
         self.output: list[dict] = []
-        self._message: dict | None = None  # the open message item and its text
+        self._open: dict | None = None  # the reasoning or message item whose text streams now
+        self._text = ""
         self._calls: dict[int, dict] = {}  # the open function_call items by tool-call index
 
     def event(self, kind: str, **fields) -> str:
@@ -282,25 +293,31 @@ class EventWriter:
         self.sequence_number += 1
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
-    def delta(self, delta: Delta) -> list[str]:
+    def _stream_text(self, kind: str, text: str) -> list[str]:
         events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close_text()
+            item = message_item(_id("msg"), "", "in_progress") if kind == "message" else \
+                reasoning_item(_id("rs"), "", "in_progress")
+            self._open, self._text = item, ""
+            self.output.append(item)
+            index = len(self.output) - 1
+            events.append(self.event("response.output_item.added", output_index=index, item=item))
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                     content_index=0, part=_part(kind, "")))
+        self._text += text
+        item = self._open
+        events.append(self.event(f"{_EVENT[kind]}.delta", item_id=item["id"], output_index=self.output.index(item),
+                                 content_index=0, delta=text, **_LOGPROBS[kind]))
+        return events
+
+    def delta(self, delta: Delta) -> list[str]:
+        events = self._stream_text("reasoning", delta.reasoning) if delta.reasoning else []
         if delta.text:
-            if self._message is None:
-                self._message = message_item(_id("msg"), "", "in_progress")
-                self.output.append(self._message)
-                index = len(self.output) - 1
-                events.append(self.event("response.output_item.added", output_index=index, item=self._message))
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                events.append(self.event("response.content_part.added", item_id=self._message["id"],
-                                         output_index=index, content_index=0, part=part))
-                self._message["text"] = ""
-            self._message["text"] += delta.text
-            events.append(self.event("response.output_text.delta", item_id=self._message["id"],
-                                     output_index=self.output.index(self._message), content_index=0,
-                                     delta=delta.text, logprobs=[]))
+            events += self._stream_text("message", delta.text)
         for piece in delta.tool_calls:
             if piece.index not in self._calls:
-                events += self._close_message()
+                events += self._close_text()
                 item = call_item(_id("fc"), piece.id, piece.name, "", "in_progress")
                 self._calls[piece.index] = item
                 self.output.append(item)
@@ -313,22 +330,21 @@ class EventWriter:
                                          output_index=self.output.index(item), delta=piece.arguments))
         return events
 
-    def _close_message(self) -> list[str]:
-        if self._message is None:
+    def _close_text(self) -> list[str]:
+        if self._open is None:
             return []
-        item, self._message = self._message, None
-        index, text = self.output.index(item), item.pop("text")
-        done = message_item(item["id"], text)
+        item, text, self._open = self._open, self._text, None
+        kind, index = item["type"], self.output.index(item)
+        done = message_item(item["id"], text) if kind == "message" else reasoning_item(item["id"], text)
         self.output[index] = done
-        part = done["content"][0]
-        return [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                           text=text, logprobs=[]),
+        return [self.event(f"{_EVENT[kind]}.done", item_id=item["id"], output_index=index, content_index=0,
+                           text=text, **_LOGPROBS[kind]),
                 self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                           part=part),
+                           part=_part(kind, text)),
                 self.event("response.output_item.done", output_index=index, item=done)]
 
     def close(self) -> list[str]:
-        events = self._close_message()
+        events = self._close_text()
         for item in self._calls.values():
             index = self.output.index(item)
             item["status"] = "completed"
@@ -339,10 +355,20 @@ class EventWriter:
         return events
 
 
+_EVENT = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
+_LOGPROBS = {"message": {"logprobs": []}, "reasoning": {}}
+
+
+def _part(kind: str, text: str) -> dict:
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
+
+
 # -- the routes ----------------------------------------------------------------------------
 
 
-def responses_router(client: AsyncClient, model: ModelName, store: ResponseStore) -> APIRouter:
+def responses_router(client: AsyncClient, model: ModelName, options: ChatOptions, store: ResponseStore) -> APIRouter:
     router = APIRouter()
 
     def not_found(response_id: str, param: str | None = None) -> GatewayError:
@@ -363,7 +389,7 @@ def responses_router(client: AsyncClient, model: ModelName, store: ResponseStore
             history = previous.history
         history = history + input_messages(body.input)
         try:
-            run, name = await ChatRun.start(client, model, chat_request(body, history), key, "resp")
+            run, name = await ChatRun.start(client, model, options, chat_request(body, history), key, "resp")
         except GatewayError as err:
             raise _renamed(err) from None
         rid, created = _id("resp"), time.time()

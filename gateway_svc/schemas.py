@@ -14,7 +14,7 @@ Beside OpenAI's fields, vLLM's common extras are accepted: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, and its `structured_outputs` (`json`, `regex`,
 `choice`, `grammar`; also as the older `guided_json`, ...) beside OpenAI's `response_format`;
 chat takes `tools` (at most `MAX_TOOLS` functions), `tool_choice` and `parallel_tool_calls`
-(`gateway_svc/tools.py`).
+(`gateway_svc/tools.py`), and vLLM's `chat_template_kwargs` and `include_reasoning`.
 """
 
 from __future__ import annotations
@@ -222,6 +222,10 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: variables for the chat template (e.g. {"enable_thinking": false}), and whether the
+    # answer carries the reasoning (`reasoning_content`, `reasoning`)
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
 
 class LoadLoraAdapterRequest(_Strict):

@@ -8,12 +8,15 @@ the gateway answers with that field)::
     response_format json_schema / json_object        -> json_schema / json_object
     structured_outputs json / regex / choice / grammar -> json_schema / regex / choice / grammar
       (or vLLM's older guided_json / guided_regex / guided_choice / guided_grammar)
-    tools + tool_choice {"function": {"name": f}}     -> json_schema(f's parameters)
-    tools + tool_choice "required"                    -> json_schema(an array of calls, below)
+    tools + tool_choice {"function": {"name": f}}     -> a call of f in the model's format
+    tools + tool_choice "required"                    -> one or more calls in the model's format
 
+The model's format is its tool-call parser's (`pagoda/tool_parsers.py`: hermes, llama3_json,
+mistral, qwen3_coder, pythonic): the gateway's `--tool-call-parser`, by default the one the
+scheduler chose from the chat template (`ModelInfo.tool_call_parser`; hermes if none).
 `tool_choice` "none" leaves the tools out; otherwise they are described to the model and the
-calls it writes in the Hermes / Qwen form, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-are parsed ("auto", the default with tools; a model that writes none answers text).
+calls it writes are read by that parser, in every mode ("auto", the default with tools: a
+model that writes none answers text), and streamed as OpenAI's tool-call deltas.
 
 The tools, an assistant's calls and a tool's answers travel in `pagoda.v1.Chat`; the scheduler
 gives them to the model's chat template, or writes them in the Hermes form for a template that
@@ -22,15 +25,16 @@ does not read tools (`scheduler_svc/chat.py`).
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from dataclasses import dataclass, field
 
 from gateway_svc.errors import GatewayError
 from gateway_svc.schemas import ChatCompletionRequest, Function, _Sampling
+from pagoda.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS, ToolCallStream, ToolParser, call_id
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# tool-call formats marked by special tokens, which the text must keep (vLLM turns
+# skip_special_tokens off for them too)
+SPECIAL_TOKEN_PARSERS = ("mistral",)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Structured:
     mode: str | None = None
     function: str | None = None  # mode "named": its name
     tools: tuple[dict, ...] = ()  # described to the model (all modes but none)
+    parser: ToolParser = TOOL_PARSERS[DEFAULT_TOOL_PARSER]  # reads the calls and builds their constraint
 
 
 def _constraints(req: _Sampling) -> list[tuple[str, dict]]:
@@ -62,10 +67,12 @@ def _constraints(req: _Sampling) -> list[tuple[str, dict]]:
     return out + [(k, {kind: v}) for k, (kind, v) in old.items() if v is not None]
 
 
-def structured(req: _Sampling) -> Structured:
-    """The constraint of `req`; more than one is a 400 naming the second."""
+def structured(req: _Sampling, parser: ToolParser | None = None) -> Structured:
+    """The constraint of `req`, tool calls in `parser`'s format (default hermes); more than one
+    constraint is a 400 naming the second."""
     chat = isinstance(req, ChatCompletionRequest)
-    given = _constraints(req) + (_tool_constraint(req) if chat else [])
+    parser = parser or TOOL_PARSERS[DEFAULT_TOOL_PARSER]
+    given = _constraints(req) + (_tool_constraint(req, parser) if chat else [])
     if len(given) > 1:
         (first, _), (second, _) = given[:2]
         raise GatewayError(400, f"{second}: cannot be combined with {first} (one constraint per request)", param=second)
@@ -75,11 +82,11 @@ def structured(req: _Sampling) -> Structured:
     tools = tuple(t.model_dump(exclude_none=True) for t in req.tools)
     choice = req.tool_choice or "auto"
     if isinstance(choice, str):  # "auto" (any constraint is response_format's) or "required"
-        return Structured(params, param, choice, tools=tools)
-    return Structured(params, param, "named", choice.function.name, tools)
+        return Structured(params, param, choice, tools=tools, parser=parser)
+    return Structured(params, param, "named", choice.function.name, tools, parser)
 
 
-def _tool_constraint(req: ChatCompletionRequest) -> list[tuple[str, dict]]:
+def _tool_constraint(req: ChatCompletionRequest, parser: ToolParser) -> list[tuple[str, dict]]:
     if not req.tools:
         if req.tool_choice not in (None, "none"):
             raise GatewayError(400, "tool_choice: needs tools", param="tool_choice")
@@ -87,16 +94,17 @@ def _tool_constraint(req: ChatCompletionRequest) -> list[tuple[str, dict]]:
     names = [t.function.name for t in req.tools]
     if len(set(names)) < len(names):
         raise GatewayError(400, "tools: function names must be unique", param="tools")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
     if req.tool_choice == "required":
         param = "tools[0].function.parameters" if len(names) == 1 else "tools"
-        return [(param, {"json_schema": required_schema(req.tools, req.parallel_tool_calls)})]
+        return [(param, parser.constraint(tools, parallel=req.parallel_tool_calls))]
     if req.tool_choice in (None, "none", "auto"):
         return []
     name = req.tool_choice.function.name
     if name not in names:
         raise GatewayError(400, f"tool_choice: no function {name!r} in tools", param="tool_choice")
     i = names.index(name)
-    return [(f"tools[{i}].function.parameters", {"json_schema": _parameters(req.tools[i].function)})]
+    return [(f"tools[{i}].function.parameters", parser.constraint(tools, function=name))]
 
 
 def _parameters(function: Function) -> dict:
@@ -105,7 +113,8 @@ def _parameters(function: Function) -> dict:
 
 def required_schema(tools, parallel: bool = True) -> dict:
     """A JSON array of one or more calls (one without `parallel`), each `{"name": <a tool's>,
-    "parameters": <arguments fitting its schema>}` (vLLM's schema for tool_choice "required")."""
+    "parameters": <arguments fitting its schema>}` (vLLM's schema for tool_choice "required",
+    kept for clients that build it themselves; the gateway constrains the model's own format)."""
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                "parameters": _parameters(t.function)},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
@@ -116,88 +125,45 @@ def required_schema(tools, parallel: bool = True) -> dict:
 # -- reading the output ---------------------------------------------------------------
 
 
-def tool_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
-def _json(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-TAG = "<tool_call>"
+def tool_call(name: str, arguments: str, parser: str = DEFAULT_TOOL_PARSER) -> dict:
+    return {"id": call_id(parser), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def parse_hermes(text: str) -> tuple[str, list[tuple[str, str]]]:
-    """Text with Hermes / Qwen tool calls, `<tool_call>{"name": n, "arguments": {...}}</tool_call>`
-    (the last one may be unclosed when the model stops at EOS), as (the text outside the calls,
-    [(name, arguments as JSON text)]). A call that is not such JSON stays in the text."""
-    calls, kept, pos = [], [], 0
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-            name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
-        except (ValueError, KeyError, TypeError):
-            continue
-        if not isinstance(name, str):
-            continue
-        kept.append(text[pos:match.start()])
-        pos = match.end()
-        calls.append((name, _json(arguments)))
-    kept.append(text[pos:])
-    return "".join(kept).strip(), calls
+    """Text with Hermes / Qwen tool calls as (the text before the calls, or all of it when there
+    are none; [(name, arguments as JSON text)])."""
+    content, calls = TOOL_PARSERS["hermes"].parse(text)
+    return content or "", calls
 
 
 def read_output(s: Structured, text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
     """A choice's finished text as (content, tool_calls) in OpenAI's shape."""
-    if s.mode == "named":
-        return None, [tool_call(s.function, text)]
-    if s.mode == "required":
-        try:
-            calls = [(c["name"], _json(c["parameters"])) for c in json.loads(text)]
-        except (ValueError, KeyError, TypeError):  # cut short by max_tokens
-            return text, []
-        return None, [tool_call(n, a) for n, a in calls]
-    if s.mode == "auto":
-        content, calls = parse_hermes(text)
-        calls = calls[:1] if not parallel else calls
-        return (content or None) if calls else text, [tool_call(n, a) for n, a in calls]
-    return text, []
-
-
-def _tag_start(text: str) -> int:
-    """The length of the longest end of `text` that `<tool_call>` begins with."""
-    return next((k for k in range(min(len(TAG) - 1, len(text)), 0, -1) if TAG.startswith(text[-k:])), 0)
+    if s.mode is None:
+        return text, []
+    content, calls = s.parser.parse(text, s.tools)
+    calls = calls[:1] if not parallel else calls
+    return (content if calls else text), [tool_call(n, a, s.parser.name) for n, a in calls]
 
 
 class ToolDeltas:
-    """One streamed choice's deltas: with a named function the arguments stream as generated
-    (its name and id in the first delta); otherwise text streams until a tool call may begin,
-    and the rest is held and read when the choice finishes."""
+    """One streamed choice's deltas (`pagoda.tool_parsers.ToolCallStream`): text streams until a
+    call may begin, each call is sent when it is complete, the rest is read at the end."""
 
     def __init__(self, s: Structured, parallel: bool):
-        self.s, self.parallel = s, parallel
-        self.held = ""
-        self.num_calls = 0
+        self.s = s
+        self.stream = ToolCallStream(s.parser, s.tools, parallel)
+
+    @property
+    def num_calls(self) -> int:
+        return self.stream.num_calls
 
     def add(self, text: str, finished: bool) -> dict:
         """The delta's fields (`content`, `tool_calls`) for `text`."""
-        if self.s.mode == "named":
-            if self.num_calls:
-                return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
-            self.num_calls = 1
-            return {"tool_calls": [{"index": 0, **tool_call(self.s.function, text)}]}
-        self.held += text
-        if self.s.mode == "auto" and TAG not in self.held and not finished:
-            keep = _tag_start(self.held)
-            out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-            return {"content": out} if out else {}
-        if not finished:
-            return {}
-        content, calls = read_output(self.s, self.held, self.parallel)
-        self.num_calls = len(calls)
-        delta = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        delta = self.stream.feed(text) if text else {}
+        if finished:
+            last = self.stream.finish()
+            if "content" in last:
+                delta["content"] = delta.get("content", "") + last["content"]
+            if "tool_calls" in last:
+                delta["tool_calls"] = delta.get("tool_calls", []) + last["tool_calls"]
         return delta

@@ -10,7 +10,7 @@ form), which a client can map back to its tokenizer.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway_svc.errors import GatewayError
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest, ContentPart, _Sampling
@@ -77,12 +77,17 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
-def chat_params(req: ChatCompletionRequest, constraint: dict, adapter: str | None = None) -> GenerateParams:
-    """The request's options; `adapter`: the LoRA adapter its `model` selects (None: the base)."""
+def chat_params(req: ChatCompletionRequest, constraint: dict, adapter: str | None = None,
+                reasoning_parser: str | None = None, special_tokens: bool = False) -> GenerateParams:
+    """The request's options; `adapter`: the LoRA adapter its `model` selects (None: the base);
+    `reasoning_parser`: the gateway's (None: the scheduler's); `special_tokens`: keep them in the
+    text (a tool-call format marked by one, as Mistral's `[TOOL_CALLS]`)."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs and not req.logprobs:
         raise GatewayError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-    return _common(req, max_tokens, req.logprobs, req.top_logprobs or 0, constraint, adapter)
+    params = _common(req, max_tokens, req.logprobs, req.top_logprobs or 0, constraint, adapter)
+    return replace(params, reasoning_parser=reasoning_parser, chat_template_kwargs=req.chat_template_kwargs,
+                   skip_special_tokens=False if special_tokens else None)
 
 
 _IMAGE_PARTS = ("image_url", "input_image", "image")
@@ -197,9 +202,11 @@ class Choice:
     text: str = ""
     entries: list[TokenEntry] = field(default_factory=list)
     finish_reason: str | None = None
+    reasoning: str = ""
 
     def add(self, chunk: Chunk, logprobs: bool) -> None:
         self.text += chunk.text
+        self.reasoning += chunk.reasoning_text
         if logprobs:
             self.entries.extend(token_entries(chunk))
         if chunk.finish_reason is not None:

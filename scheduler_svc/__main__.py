@@ -13,6 +13,8 @@ import sys
 import zmq
 
 from pagoda import link_security, model_files
+from pagoda.reasoning import choose_reasoning_parser_from_template, reasoning_parser_names
+from pagoda.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS, choose_tool_parser_from_template
 from pagoda.cli import StartupError, add_bool_flag, add_flag, add_model_flags, env_name, run_main
 from pagoda.gc_heap import freeze_startup_heap
 from scheduler_svc import auth
@@ -84,6 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="largest request message gRPC accepts (default 4 MiB, gRPC's own; larger ones get RESOURCE_EXHAUSTED)",
     )
     add_flag(p, "--log-level", default="INFO")
+    add_flag(p, "--reasoning-parser", default="auto", choices=["auto", *reasoning_parser_names()],
+             help="split chat outputs' reasoning (`<think>`...) from the answer (auto: from the chat template)")
+    add_flag(p, "--tool-call-parser", default="auto", choices=["auto", *TOOL_PARSERS],
+             help="the tool-call format of the model, reported to the gateway (auto: from the chat template, else hermes)")
     security = p.add_argument_group("security (see README: Security)")
     add_flag(
         security, "--cluster-secret-file", default=None,
@@ -211,6 +217,21 @@ def _refuse(p: argparse.ArgumentParser, message: str) -> None:
     p.exit(2, f"{p.prog}: error: {message}\n")
 
 
+def parsers(args: argparse.Namespace, tokenizer) -> dict[str, str]:
+    """The reasoning and tool-call parsers: the flags', or "auto" chosen from the chat template."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: the default and the tool-use one
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    reasoning = args.reasoning_parser
+    if reasoning == "auto":
+        reasoning = choose_reasoning_parser_from_template(template) or ""
+    tool = args.tool_call_parser
+    if tool == "auto":
+        tool = choose_tool_parser_from_template(template) or DEFAULT_TOOL_PARSER
+    log.info("reasoning parser %s, tool-call parser %s", reasoning or "none", tool)
+    return {"reasoning_parser": "" if reasoning == "none" else reasoning, "tool_call_parser": tool}
+
+
 def _load_model(model: str | None, revision: str | None = None):
     """The model directory, tokenizer and spec; StartupError (naming --model) if they cannot be read."""
     try:  # config and tokenizer: no weights here
@@ -231,7 +252,7 @@ async def _listen(args: argparse.Namespace, engine: Engine, spec, model_name: st
             socket.create_server((args.host, args.port)).close()
         server, port = await build_server(
             engine, spec, model_name, address, api_keys, credentials, args.max_request_bytes, model_dir=model_dir,
-            max_concurrent_streams=args.max_concurrent_streams,
+            max_concurrent_streams=args.max_concurrent_streams, **parsers(args, engine.tokenizer),
         )
     except (OSError, RuntimeError) as exc:
         cause = getattr(exc, "strerror", None) or "the port is in use or the address is not local"

@@ -75,6 +75,26 @@ def template_input(chat, field: str) -> tuple[list[dict], list[dict] | None]:
     return messages, tools or None
 
 
+# apply_chat_template's own arguments: a chat's template kwargs may not set them
+_RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
+
+
+def template_kwargs(chat, field: str) -> dict:
+    """`chat.chat_template_kwargs` as keyword arguments of the template; InvalidArgument naming it."""
+    if not chat.chat_template_kwargs:
+        return {}
+    name = f"{field}.chat_template_kwargs"
+    kwargs = _json_object(chat.chat_template_kwargs, name)
+    for key in kwargs:
+        if not key.isidentifier() or key in _RESERVED_KWARGS:
+            raise InvalidArgument(name, f"{key!r} is not a template variable one may set")
+    return kwargs
+
+
 def uses_tools(tokenizer, tools) -> bool:
     """Whether the chat template that transformers picks for `tools` reads them."""
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from pagoda.reasoning import ReasoningSplitter
 from pagoda.step import SampledToken
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -33,6 +34,7 @@ class SampleStream:
     finish_reason: int = 0
     last_token_time: float = 0.0
     num_accepted_draft_tokens: int = 0  # of its tokens, drafts the model accepted
+    reasoning: ReasoningSplitter | None = None  # splits its text into reasoning and answer
 
 
 @dataclass
@@ -65,6 +67,7 @@ class ClientStream:
                 core_req_id=f"{i}:{core_id}",
                 detokenizer=IncrementalDetokenizer(tokenizer, params.prompt_token_ids, params.skip_special_tokens),
                 stop=StopStringMatcher(list(params.stop), params.include_stop_str_in_output),
+                reasoning=ReasoningSplitter(*params.reasoning) if params.reasoning else None,
             )
             for i in range(params.n)
         ]
@@ -102,7 +105,7 @@ class ClientStream:
             out.matched_stop = matched
         elif finish_reason is not None:
             text += sample.stop.flush()
-        out.text = text
+        out.text, out.reasoning_text = _split(sample, text, finish_reason is not None)
         if finish_reason is not None:
             out.finish_reason = finish_reason
             sample.finished = True
@@ -124,7 +127,8 @@ class ClientStream:
             return
         sample.finished = True
         sample.finish_reason = reason
-        self.queue.put_nowait(pb.SequenceOutput(index=sample.index, text=sample.stop.flush(), finish_reason=reason))
+        text, reasoning = _split(sample, sample.stop.flush(), True)
+        self.queue.put_nowait(pb.SequenceOutput(index=sample.index, text=text, reasoning_text=reasoning, finish_reason=reason))
 
     def finish_if_done(self) -> bool:
         if self.done or not all(s.finished for s in self.samples):
@@ -190,8 +194,20 @@ class ClientStream:
                 return
 
 
+def _split(sample: SampleStream, text: str, last: bool) -> tuple[str, str]:
+    """(answer, reasoning) of the sample's text delta; `last`: release what the splitter holds."""
+    if sample.reasoning is None:
+        return text, ""
+    reasoning, content = sample.reasoning.feed(text)
+    if last:
+        more_reasoning, more_content = sample.reasoning.flush()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    return content, reasoning
+
+
 def _merge(into: pb.SequenceOutput, more: pb.SequenceOutput) -> None:
     into.text += more.text
+    into.reasoning_text += more.reasoning_text
     into.token_ids.extend(more.token_ids)
     into.logprobs.extend(more.logprobs)
     if more.finish_reason:

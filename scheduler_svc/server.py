@@ -24,13 +24,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagoda.reasoning import constrain_after_reasoning, get_reasoning_parser
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.auth import ApiKey, ApiKeyInterceptor
 from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.constraint_check import ConstraintChecker
 from scheduler_svc.engine import Engine
-from scheduler_svc.errors import ServiceError
+from scheduler_svc.errors import InvalidArgument, ServiceError
 from scheduler_svc.lora_registry import FailedPrecondition, NotFound
 from scheduler_svc.prompts import MAX_REPLY_BYTES, PromptWorker
 from scheduler_svc.request_decoding import DecodeRequests
@@ -41,12 +42,19 @@ from scheduler_svc.vllm_engine import add_vllm_engine
 
 log = logging.getLogger(__name__)
 
+# prompt tokens decoded to see whether the prompt leaves a reasoning block open
+_PROMPT_TAIL = 32
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, spec: ModelSpec, model_name: str, model_dir: Path | str | None = None):
-        """`model_dir`: the tokenizer's directory, for the child process that tokenizes huge texts (prompts.py)."""
+    def __init__(self, engine: Engine, spec: ModelSpec, model_name: str, model_dir: Path | str | None = None,
+                 reasoning_parser: str = "", tool_call_parser: str = ""):
+        """`model_dir`: the tokenizer's directory, for the child process that tokenizes huge texts (prompts.py);
+        `reasoning_parser`: the split of chat prompts' outputs ("" none); `tool_call_parser`: reported in ModelInfo."""
+        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
         self.engine = engine
         self.spec = spec
         self.model_name = model_name
@@ -60,13 +68,32 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         The one admission path of both APIs (`vllm.grpc.engine` translates its requests to ours first).
         """
         self.engine.check_admission()  # the tenant's share and the queue, before any work
+        parser = self._reasoning_parser(request)
         lora = await self._adapter(request.model)
         params = await self.prompts.generate_params(request)
         if lora:
             params = dataclasses.replace(params, lora=lora)
+        if parser is not None:
+            tail = self.engine.tokenizer.decode(params.prompt_token_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
+            params = dataclasses.replace(params, reasoning=(parser, parser.initial_state(tail)))
         if params.sampling.constraint is not None:
             await self.constraints.check(params.sampling.constraint)
+            if parser is not None:  # the grammar starts once the reasoning ends
+                constraint = constrain_after_reasoning(params.sampling.constraint, *params.reasoning)
+                params = dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, constraint=constraint))
         return params, self.engine.submit(params)  # under the caller's tenant (its cache salt too)
+
+    def _reasoning_parser(self, request: pb.GenerateRequest):
+        """The request's reasoning parser (None: no split); INVALID_ARGUMENT naming `reasoning_parser`."""
+        name = request.reasoning_parser
+        if not name:
+            if request.WhichOneof("prompt") != "chat":
+                return None
+            name = self.reasoning_parser
+        try:
+            return get_reasoning_parser(name)
+        except KeyError as exc:
+            raise InvalidArgument("reasoning_parser", exc.args[0]) from None  # under the caller's tenant (its cache salt too)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -104,6 +131,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             eos_token_ids=self.spec.eos_token_ids,
             block_size=self.engine.config.block_size,
             lora_adapters=self.engine.loras.names() if self.engine.loras is not None else [],
+            reasoning_parser=self.reasoning_parser,
+            tool_call_parser=self.tool_call_parser,
         )
 
     async def _adapter(self, model: str) -> str:
@@ -178,6 +207,8 @@ async def build_server(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     model_dir: Path | str | None = None,
     max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
+    reasoning_parser: str = "",
+    tool_call_parser: str = "",
 ) -> tuple[grpc.aio.Server, int]:
     """The server on `address`: API keys required when `api_keys`, TLS when `credentials`.
 
@@ -187,7 +218,7 @@ async def build_server(
     server = grpc.aio.server(
         interceptors=[*keys, DecodeRequests()], options=grpc_options(max_request_bytes, max_concurrent_streams)
     )
-    generation = GenerationServicer(engine, spec, model_name, model_dir)
+    generation = GenerationServicer(engine, spec, model_name, model_dir, reasoning_parser, tool_call_parser)
     pb_grpc.add_GenerationServicer_to_server(generation, server)
     add_vllm_engine(server, engine, spec, model_name, model_dir, generation)
     health_servicer = health.aio.HealthServicer()

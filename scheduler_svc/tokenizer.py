@@ -87,14 +87,15 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
-    tools: list[dict] | None = None, max_tokens: int | None = None,
+    tools: list[dict] | None = None, max_tokens: int | None = None, template_kwargs: dict | None = None,
 ) -> list[int]:
     """The template's token ids; tools and tool calls go to a template that reads them, and are
     written in the Hermes form for one that does not (`scheduler_svc/chat.py`). More than
     `max_tokens` tokens raise TooManyTokens (`encode_at_most`)."""
     if (tools or any("tool_calls" in m for m in messages)) and not uses_tools(tokenizer, tools):
         messages, tools = hermes(messages, tools), None
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **(template_kwargs or {}))
     return encode_at_most(tokenizer, text, False, max_tokens)
 
 

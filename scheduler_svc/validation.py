@@ -35,7 +35,7 @@ from pagoda.wire import constraint_from_proto
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.core import fit_error
 from scheduler_svc.errors import InvalidArgument
-from scheduler_svc.chat import template_input
+from scheduler_svc.chat import template_input, template_kwargs
 from scheduler_svc.tokenizer import ModelSpec, TooManyTokens, apply_chat_template, encode_text
 
 MAX_N = 16
@@ -70,6 +70,8 @@ class GenerateParams:
     beam_width: int = 1  # > 1: beam search, the n best of beam_width beams
     cache_salt: str = ""  # prefix-cache hits only among equal salts (the server adds the tenant)
     lora: str = ""  # the LoRA adapter (GenerateRequest.model, resolved by the server), "" for the base model
+    # the reasoning split (pagoda.reasoning): (parser, the state its outputs start in), or None
+    reasoning: tuple | None = None
 
 
 def validate_generate(
@@ -342,8 +344,9 @@ def chat_token_ids(
 ) -> list[int]:
     """The chat template's token ids; more than `max_tokens` raise TooManyTokens."""
     messages, tools = template_input(chat, field)
+    kwargs = template_kwargs(chat, field)
     try:
-        return apply_chat_template(tokenizer, messages, add_generation_prompt, tools, max_tokens)
+        return apply_chat_template(tokenizer, messages, add_generation_prompt, tools, max_tokens, kwargs)
     except TooManyTokens:
         raise
     except Exception as exc:  # a template may reject a role order, say

@@ -152,9 +152,9 @@ class StreamAttempts:
                 chunk = self._drop_replayed(chunk)
             if chunk.index == 0:
                 self.delivered.extend(chunk.token_ids)
-                if chunk.text or chunk.finish_reason is not None:
+                if chunk.text or chunk.reasoning_text or chunk.finish_reason is not None:
                     self.released = len(self.delivered)
-            if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
+            if chunk.text or chunk.reasoning_text or chunk.token_ids or chunk.finish_reason is not None:
                 chunks.append(chunk)
                 self.started = True
         if msg.HasField("usage"):
@@ -169,7 +169,7 @@ class StreamAttempts:
                 f"delivered before the break: {self._replay[:k]}")
         self._replay = self._replay[k:]
         return Chunk(chunk.index, chunk.text, chunk.token_ids[k:], chunk.logprobs[k:],
-                     chunk.finish_reason, chunk.matched_stop)
+                     chunk.finish_reason, chunk.matched_stop, chunk.reasoning_text)
 
     def _usage(self, usage: pb.Usage) -> Usage:
         if not self._base:

@@ -85,6 +85,11 @@ class GenerateParams:
     # the LoRA adapter to apply, by name (`GenerateRequest.model`); None, or the base model's
     # name: the base weights. One the scheduler has not loaded is NotFound naming `model`.
     model: str | None = None
+    # the reasoning split (`GenerateRequest.reasoning_parser`): None = the server's choice,
+    # "none" = no split, or a parser's name; chunks carry the reasoning in `reasoning_text`
+    reasoning_parser: str | None = None
+    # variables for the chat template (chat prompts only), e.g. {"enable_thinking": False}
+    chat_template_kwargs: Mapping | None = None
 
     @classmethod
     def of(cls, params: GenerateParams | None = None, **overrides) -> GenerateParams:
@@ -121,6 +126,12 @@ class GenerateParams:
             req.priority = self.priority
         if self.model:
             req.model = self.model
+        if self.reasoning_parser is not None:
+            req.reasoning_parser = self.reasoning_parser
+        if self.chat_template_kwargs is not None:
+            if req.WhichOneof("prompt") != "chat":
+                raise ValueError("chat_template_kwargs need a chat prompt (chat(), not generate())")
+            req.chat.chat_template_kwargs = json.dumps(dict(self.chat_template_kwargs))
         self._fill_constraint(req.constraint)
         if self.tools:
             if req.WhichOneof("prompt") != "chat":
@@ -231,6 +242,7 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
+    reasoning_text: str = ""  # the reasoning's delta, apart from `text` (a reasoning parser's split)
 
     @classmethod
     def from_proto(cls, out: pb.SequenceOutput) -> Chunk:
@@ -241,6 +253,7 @@ class Chunk:
             logprobs=tuple(TokenLogprob.from_proto(lp) for lp in out.logprobs),
             finish_reason=FinishReason.from_proto(out.finish_reason),
             matched_stop=out.matched_stop,
+            reasoning_text=out.reasoning_text,
         )
 
 
@@ -261,9 +274,11 @@ class Output:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
+    reasoning_text: str = ""
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
+        self.reasoning_text += chunk.reasoning_text
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason is not None:
@@ -299,11 +314,13 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     block_size: int
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters loaded now, by name (`model=` selects one)
+    reasoning_parser: str = ""  # the server's for chat prompts ("" none)
+    tool_call_parser: str = ""  # the tool-call format of its chat template (pagoda.tool_parsers)
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
         return cls(msg.name, msg.max_model_len, msg.vocab_size, tuple(msg.eos_token_ids), msg.block_size,
-                   tuple(msg.lora_adapters))
+                   tuple(msg.lora_adapters), msg.reasoning_parser, msg.tool_call_parser)
 
 
 @dataclass(frozen=True)

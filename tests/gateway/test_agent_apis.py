@@ -357,3 +357,41 @@ def test_bad_messages_inputs_are_a_4xx_in_anthropics_shape(gateway, claude, mode
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model=model_name, max_tokens=0, messages=user)
     assert err.value.body["error"]["type"] == "invalid_request_error"
+
+
+# -- the reasoning split ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def thinking_gateway(svc, workdir):
+    """A second gateway on the same service whose reasoning parser (deepseek_r1: reasoning until
+    `</think>`, opened or not) makes the whole of SmolLM2's answer reasoning."""
+    args = ["--reasoning-parser", "deepseek_r1", "--responses-db", str(workdir / "thinking.sqlite3")]
+    with Gateway(target(svc), args) as gw:
+        yield gw
+
+
+def test_the_reasoning_is_a_reasoning_item_and_a_thinking_block(thinking_gateway, model_name):
+    oai = _openai(thinking_gateway, KEY_A)
+    messages = [{"role": "user", "content": QUESTION}]
+    want = chat(oai, model_name, messages, max_tokens=12).choices[0].message
+    reasoning = want.model_extra["reasoning_content"]
+    assert reasoning and not want.content
+
+    reply = oai.responses.create(model=model_name, input=QUESTION, max_output_tokens=12, temperature=0, store=False)
+    assert [(i.type, [c.text for c in i.content]) for i in reply.output] == [("reasoning", [reasoning])]
+    events = list(oai.responses.create(model=model_name, input=QUESTION, max_output_tokens=12, temperature=0,
+                                       store=False, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [reasoning]
+    assert events[-1].response.output[0].content[0].text == reasoning
+
+    claude = anthropic.Anthropic(base_url=thinking_gateway.url, api_key=KEY_A, max_retries=0, timeout=120)
+    kwargs = dict(model=model_name, max_tokens=12, messages=messages, **greedy())
+    message = claude.messages.create(**kwargs)
+    assert [(b.type, b.thinking) for b in message.content] == [("thinking", reasoning)]
+    raw = list(claude.messages.create(stream=True, **kwargs))
+    assert raw[1].content_block.type == "thinking"
+    assert "".join(e.delta.thinking for e in raw if e.type == "content_block_delta") == reasoning
+    with claude.messages.stream(**kwargs) as stream:
+        assert stream.get_final_message().content[0].thinking == reasoning

@@ -13,9 +13,10 @@ from pydantic import ValidationError
 
 from gateway_svc.errors import GatewayError, validation_error
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest
-from gateway_svc.tools import ToolDeltas, parse_hermes, read_output, structured
+from gateway_svc.tools import ToolDeltas, parse_hermes, read_output, required_schema, structured
 from gateway_svc.translate import chat_messages, chat_params, completion_params
 from pagoda.client import PagodaError
+from pagoda.tool_parsers import get_tool_parser
 from tests.structured_reference import LABEL_SCHEMA, WEATHER_TOOL
 
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
@@ -38,7 +39,10 @@ def test_each_field_becomes_its_constraint_and_names_itself():
         ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "structured_outputs.grammar", "grammar", 'root ::= "a"'),
         ({"guided_regex": "a+"}, "guided_regex", "regex", "a+"),
         ({"tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
-         "tools[1].function.parameters", "json_schema", TIME_TOOL["function"]["parameters"]),
+         "tools[1].function.parameters", "structural_tag",
+         get_tool_parser("hermes").constraint([WEATHER_TOOL, TIME_TOOL], function="get_time")["structural_tag"]),
+        ({"tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": "required"}, "tools", "structural_tag",
+         get_tool_parser("hermes").constraint([WEATHER_TOOL, TIME_TOOL])["structural_tag"]),
     ]
     for fields, param, kind, value in cases:
         s = structured(chat(**fields))
@@ -90,8 +94,7 @@ def test_a_schema_the_scheduler_refuses_is_named_by_the_field_it_came_from():
 
 def test_the_required_schema_admits_calls_of_the_tools_only():
     for parallel in (True, False):
-        schema = structured(chat(tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
-                                 parallel_tool_calls=parallel)).params["json_schema"]
+        schema = required_schema(chat(tools=[WEATHER_TOOL, TIME_TOOL]).tools, parallel)
         one = [{"name": "get_weather", "parameters": {"city": "Paris"}}]
         jsonschema.validate(one, schema)
         two = one + [{"name": "get_time", "parameters": {"zone": "CET"}}]
@@ -124,7 +127,7 @@ def test_past_calls_and_tool_answers_are_kept_for_the_template():
 def test_hermes_tool_calls_are_parsed_and_other_text_kept():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}'  # the last one unclosed (EOS)
-    assert parse_hermes(text) == ("Let me check.", [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET"}')])
+    assert parse_hermes(text) == ("Let me check.\n", [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET"}')])
     assert parse_hermes("no calls here") == ("no calls here", [])
     broken = "<tool_call>\n{not json}\n</tool_call>"
     assert parse_hermes(broken) == (broken, [])
@@ -137,8 +140,9 @@ def test_hermes_tool_calls_are_parsed_and_other_text_kept():
 @pytest.mark.parametrize("mode,text", [
     ("auto", 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
     ("auto", "Paris is sunny, I think; < is not a tag"),
-    ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"zone": "CET"}}]'),
-    ("named", '{"zone": "CET"}'),
+    ("required", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                 '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'),
+    ("named", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'),
 ])
 def test_streamed_deltas_reassemble_to_the_unstreamed_answer(mode, text):
     choice = {"type": "function", "function": {"name": "get_time"}} if mode == "named" else mode
@@ -158,5 +162,5 @@ def test_streamed_deltas_reassemble_to_the_unstreamed_answer(mode, text):
     assert deltas.num_calls == len(calls) == len(streamed_calls)
     assert [(c["name"], c["arguments"]) for c in streamed_calls.values()] == \
            [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
-    assert streamed_content.strip() == (content or "")
+    assert streamed_content == (content or "")
     assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
