@@ -33,7 +33,7 @@ def bearer_key(scope) -> str | None:
     metadata must be) is a 401."""
     headers = dict(scope["headers"])
     raw = headers.get(b"authorization", b"")
-    anthropic_key = headers.get(b"x-api-key", b"") if scope["path"] in ANTHROPIC_PATHS else b""
+    anthropic_key = headers.get(b"x-api-key", b"") if scope.get("path") in ANTHROPIC_PATHS else b""
     if any(not 0x20 <= b < 0x7F for b in raw + anthropic_key):
         header = "Authorization" if any(not 0x20 <= b < 0x7F for b in raw) else "x-api-key"
         raise GatewayError(401, f"{header} header: must be printable ASCII", type="authentication_error",

@@ -182,8 +182,8 @@ def test_forced_and_free_tool_calls_equal_the_chat_completions(oai, model_name):
     for chat_choice, choice in [({"type": "function", "function": {"name": "get_weather"}},
                                  {"type": "function", "name": "get_weather"}),
                                 ("required", "required"), ("auto", "auto")]:
-        want = chat(oai, model_name, question, max_tokens=32, tools=chat_tools, tool_choice=chat_choice)
-        kwargs = dict(model=model_name, input=WEATHER_QUESTION, max_output_tokens=32, temperature=0, tools=tools,
+        want = chat(oai, model_name, question, max_tokens=64, tools=chat_tools, tool_choice=chat_choice)
+        kwargs = dict(model=model_name, input=WEATHER_QUESTION, max_output_tokens=64, temperature=0, tools=tools,
                       tool_choice=choice, store=False)
         reply = oai.responses.create(**kwargs)
         calls = [(i.name, i.arguments) for i in reply.output if i.type == "function_call"]
@@ -292,14 +292,15 @@ def test_message_tool_use_equals_the_chat_tool_calls(oai, claude, model_name):
     for chat_choice, choice in [({"type": "function", "function": {"name": "get_weather"}},
                                  {"type": "tool", "name": "get_weather"}),
                                 ("required", {"type": "any"}), ("auto", {"type": "auto"}), ("none", {"type": "none"})]:
-        want = chat(oai, model_name, question, max_tokens=32, tools=chat_tools, tool_choice=chat_choice)
-        kwargs = dict(model=model_name, max_tokens=32, messages=question, tools=tools, tool_choice=choice, **greedy())
+        want = chat(oai, model_name, question, max_tokens=64, tools=chat_tools, tool_choice=chat_choice)
+        kwargs = dict(model=model_name, max_tokens=64, messages=question, tools=tools, tool_choice=choice, **greedy())
         reply = claude.messages.create(**kwargs)
         uses = [(b.name, b.input) for b in reply.content if b.type == "tool_use"]
         assert uses == [(n, json.loads(a)) for n, a in calls_of(want.choices[0].message)], choice
         text = "".join(b.text for b in reply.content if b.type == "text")
         assert text == (want.choices[0].message.content or ""), choice
         assert (reply.stop_reason == "tool_use") == bool(uses)
+        assert bool(uses) == (choice["type"] in ("tool", "any")), choice
         with claude.messages.stream(**kwargs) as stream:
             final = stream.get_final_message()
         assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == uses, choice
