@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway_svc.admission import Admission, KeyVerdicts
 from gateway_svc.agent_chat import ChatOptions
 from gateway_svc.body import bearer, parse_body
+from gateway_svc.disconnect import until_disconnected
 from gateway_svc.errors import GatewayError, validation_error
 from gateway_svc.messages import messages_router
 from gateway_svc.metrics import GatewayMetrics
@@ -51,7 +52,6 @@ from pagoda.tool_parsers import DEFAULT_TOOL_PARSER, get_tool_parser
 
 log = logging.getLogger("gateway_svc")
 
-_DISCONNECT_POLL_S = 0.25
 # gRPC's default receive limit, the scheduler's --max-request-bytes default.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
@@ -101,22 +101,6 @@ async def _merged(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, Chunk]
     finally:
         for t in tasks:
             t.cancel()
-
-
-async def _until_disconnected(request: Request, coro):
-    """Await `coro`, cancelling it (and so its gRPC calls) if the caller disconnects."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                log.info("caller disconnected: request cancelled")
-                return Response(status_code=499)
-    finally:
-        task.cancel()
 
 
 def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -201,7 +185,7 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
                    for c in (choices[k] for k in sorted(choices))]
             return {**head, "choices": out, "usage": usage_json([s.usage for s in streams])}
 
-        return await _until_disconnected(request, collect())
+        return await until_disconnected(request, collect())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -251,7 +235,7 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
                    for c in (choices[k] for k in sorted(choices))]
             return {**head, "choices": out, "usage": usage_json([stream.usage])}
 
-        return await _until_disconnected(request, collect())
+        return await until_disconnected(request, collect())
 
     return app
 

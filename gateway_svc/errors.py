@@ -111,7 +111,8 @@ class GatewayError(Exception):
     def anthropic_response(self) -> JSONResponse:
         """The error in Anthropic's shape (`/v1/messages`), its type chosen by the status as Anthropic's."""
         kind = _ANTHROPIC_TYPE.get(self.status, "api_error")
-        return JSONResponse({"type": "error", "error": {"type": kind, "message": self.message}}, status_code=self.status)
+        body = {"type": "error", "error": {"type": kind, "message": self.message}}
+        return JSONResponse(body, status_code=self.status)
 
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)

@@ -26,11 +26,12 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError
 
 from gateway_svc.agent_chat import Answer, ChatOptions, ChatRun, Delta
 from gateway_svc.body import bearer, parse_body
+from gateway_svc.disconnect import until_disconnected
 from gateway_svc.errors import GatewayError, validation_error
 from gateway_svc.models import ModelName
 from gateway_svc.schemas import (INT32_MAX, MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS, UINT32_MAX,
@@ -293,7 +294,9 @@ def messages_router(client: AsyncClient, model: ModelName, options: ChatOptions)
             body, run, name = await run_of(request)
             mid = f"msg_{uuid.uuid4().hex}"
             if not body.stream:
-                answer = await run.answer()
+                answer = await until_disconnected(request, run.answer())
+                if isinstance(answer, Response):  # the caller went away
+                    return answer
                 reason = stop_reason(answer.finish, answer.matched_stop)
                 return message_object(mid, name, content_blocks(answer), reason, answer.matched_stop,
                                       final_usage(answer.usage))

@@ -63,8 +63,8 @@ class ResponseStore:
             self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
                              (tenant, response["id"], now, json.dumps(response), json.dumps(history)))
             self._db.execute("DELETE FROM responses WHERE created < ?", (now - self.max_age_s,))
-            self._db.execute("DELETE FROM responses WHERE rowid NOT IN "
-                             "(SELECT rowid FROM responses ORDER BY created DESC, rowid DESC LIMIT ?)", (self.max_count,))
+            self._db.execute("DELETE FROM responses WHERE rowid NOT IN (SELECT rowid FROM responses "
+                             "ORDER BY created DESC, rowid DESC LIMIT ?)", (self.max_count,))
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         row = self._db.execute("SELECT response, history FROM responses WHERE tenant = ? AND id = ? AND created >= ?",

@@ -30,6 +30,7 @@ from pydantic import Field, ValidationError
 
 from gateway_svc.agent_chat import Answer, ChatOptions, ChatRun, Delta
 from gateway_svc.body import bearer, parse_body
+from gateway_svc.disconnect import until_disconnected
 from gateway_svc.errors import GatewayError, validation_error
 from gateway_svc.models import ModelName
 from gateway_svc.response_store import ResponseStore, tenant_of
@@ -215,7 +216,7 @@ def _id(prefix: str) -> str:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    content = [_part("message", text)] if status == "completed" else []
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
@@ -238,8 +239,9 @@ def output_items(answer: Answer) -> list[dict]:
 
 
 def usage_object(usage: Usage | None) -> dict:
-    prompt, completion = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": usage.cached_prompt_tokens if usage else 0},
+    prompt, completion, cached = (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) \
+        if usage else (0, 0, 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
@@ -255,7 +257,8 @@ def response_object(rid: str, created: float, body: ResponsesRequest, name: str,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "output": output, "parallel_tool_calls": body.parallel_tool_calls,
-        "previous_response_id": body.previous_response_id, "reasoning": body.reasoning or {"effort": None, "summary": None},
+        "previous_response_id": body.previous_response_id,
+        "reasoning": body.reasoning or {"effort": None, "summary": None},
         "store": body.store, "temperature": body.temperature, "top_p": body.top_p,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
         "tool_choice": tool_choice or "auto",
@@ -401,11 +404,14 @@ def responses_router(client: AsyncClient, model: ModelName, options: ChatOptions
             return response
 
         if not body.stream:
-            try:
-                answer = await run.answer()
-            except PagodaError as err:
-                raise _renamed(GatewayError.from_pagoda(err, chat=True, constraint=run.output.param)) from None
-            return finish(output_items(answer))
+            async def collect() -> dict:
+                try:
+                    answer = await run.answer()
+                except PagodaError as err:
+                    raise _renamed(GatewayError.from_pagoda(err, chat=True, constraint=run.output.param)) from None
+                return finish(output_items(answer))
+
+            return await until_disconnected(request, collect())
 
         writer = EventWriter()
         deltas = run.deltas()

@@ -130,7 +130,8 @@ def test_input_items_are_the_chat_messages_they_name(oai, model_name):
     reply = oai.responses.create(model=model_name, input=items, max_output_tokens=16, temperature=0,
                                  tools=[{"type": "function", **WEATHER}], store=False)
     assert reply.output_text == (want.choices[0].message.content or "")
-    assert [(i.name, i.arguments) for i in reply.output if i.type == "function_call"] == calls_of(want.choices[0].message)
+    calls = [(i.name, i.arguments) for i in reply.output if i.type == "function_call"]
+    assert calls == calls_of(want.choices[0].message)
     assert reply.usage.input_tokens == want.usage.prompt_tokens
 
 
@@ -279,7 +280,8 @@ def test_a_stop_sequence_ends_the_message_with_its_stop_reason(oai, claude, mode
     messages = [{"role": "user", "content": QUESTION}]
     full = chat(oai, model_name, messages, max_tokens=24).choices[0].message.content
     stop = full.split()[1]
-    reply = claude.messages.create(model=model_name, max_tokens=24, messages=messages, stop_sequences=[stop], **greedy())
+    reply = claude.messages.create(model=model_name, max_tokens=24, messages=messages, stop_sequences=[stop],
+                                   **greedy())
     assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", stop)
     assert reply.content[0].text == full[: full.index(stop)]
 
