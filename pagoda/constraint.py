@@ -22,13 +22,13 @@ Mapping OpenAI's request shapes onto a constraint (for the HTTP gateway):
 * `response_format {"type": "json_schema", "json_schema": {"schema": S}}` -> json_schema(S);
   `{"type": "json_object"}` -> json_object(); vLLM's `structured_outputs` `json` / `regex` /
   `choice` / `grammar` -> the kind of the same name.
-* `tools` with `tool_choice` naming one function -> json_schema(its `parameters`); `"required"`
-  -> json_schema(an array, minItems 1, of an `anyOf` of `{"name": <enum of one>, "parameters":
-  <its parameters>}` objects: vLLM's schema), what `gateway_svc/tools.py` sends. A structural tag
-  from `xgrammar.get_model_structural_tag(<model's format>, tools, tool_choice, reasoning=False)`
-  (the model family's own tool-call syntax, e.g. "qwen_3": `<tool_call>\n{"name": ...,
-  "arguments": ...}\n</tool_call>`) -> structural_tag(tag.model_dump_json()) would constrain the
-  family's own syntax instead; the gateway does not know the model's family.
+* `tools` with `tool_choice` naming one function, or `"required"` -> the model family's calls in
+  its own format (`pagoda.tool_parsers`: a structural tag as `xgrammar.get_model_structural_tag`
+  writes them, e.g. hermes `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, or a
+  grammar for pythonic calls), what `gateway_svc/tools.py` sends.
+
+With a reasoning parser (`pagoda.reasoning`) the scheduler puts a free reasoning block before the
+constraint (`constrain_after_reasoning`), so that it applies to the answer only.
 
 No torch, gRPC or xgrammar here: the scheduler's pure-Python core carries it inside
 `SamplingParams`; the scheduler's compile check and the executor's matcher read it.

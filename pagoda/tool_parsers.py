@@ -32,7 +32,8 @@ the deltas join to the same content and calls as the unstreamed answer.
 The xgrammar structural tags are written as JSON, as `xgrammar.get_model_structural_tag` builds
 them for "qwen_3" (hermes), "llama" (llama3_json) and "qwen_3_coder"; "required" is the calls
 back to back (`tags_with_separator`, at least one; one without `parallel`), nothing else.
-The pythonic grammar fixes the names and keywords; the values are Python literals of any type.
+The pythonic grammar writes each function's keywords in its schema's order (the required ones
+always), each value a Python literal of its property's type or enum, calls joined by ", ".
 """
 
 from __future__ import annotations
@@ -298,10 +299,24 @@ class _Qwen3Coder(ToolParser):
 _PY_VALUE = r"""
 value ::= string | number | "True" | "False" | "None" | list | dict
 string ::= "\"" ([^"\\\n] | "\\" [^\n])* "\"" | "'" ([^'\\\n] | "\\" [^\n])* "'"
-number ::= "-"? [0-9]+ ("." [0-9]+)? ([eE] [-+]? [0-9]+)?
+integer ::= "-"? [0-9]+
+number ::= integer ("." [0-9]+)? ([eE] [-+]? [0-9]+)?
 list ::= "[" (value ("," " "? value)*)? "]"
 dict ::= "{" (value ":" " "? value ("," " "? value ":" " "? value)*)? "}"
 """
+
+
+def _py_value(schema) -> str:
+    """The EBNF of a Python literal that fits `schema` (its enum, or its type; else any literal)."""
+    if not isinstance(schema, dict):
+        return "value"
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return "(" + " | ".join(json.dumps(repr(e) if not isinstance(e, str) else json.dumps(e)) for e in schema["enum"]) + ")"
+    kind = schema.get("type")
+    if "const" in schema:
+        return json.dumps(repr(schema["const"]) if not isinstance(schema["const"], str) else json.dumps(schema["const"]))
+    return {"string": "string", "integer": "integer", "number": "number", "boolean": '("True" | "False")',
+            "null": '"None"', "array": "list", "object": "dict"}.get(kind, "value") if isinstance(kind, str) else "value"
 
 
 class _Pythonic(ToolParser):
@@ -327,20 +342,27 @@ class _Pythonic(ToolParser):
         return None, calls
 
     def constraint(self, tools, function=None, parallel=True):
+        """EBNF of the calls: each function's keywords in its schema's order, the required ones
+        always, each value a Python literal of its property's type (or enum)."""
         functions = [f for f in _functions(tools) if function is None or f["name"] == function]
         rules, names = [], []
         for i, f in enumerate(functions):
-            props = list((_parameters(f) if isinstance(_parameters(f), dict) else {}).get("properties", {}))
-            keys = " | ".join(json.dumps(p) for p in props)
-            if keys:
-                rules.append(f'kw{i} ::= ({keys}) "=" value')
-                rules.append(f'call{i} ::= {json.dumps(f["name"] + "(")} (kw{i} ("," " "? kw{i})*)? ")"')
-            else:
-                rules.append(f'call{i} ::= {json.dumps(f["name"] + "()")}')
+            schema = _parameters(f) if isinstance(_parameters(f), dict) else {}
+            props = list(schema.get("properties", {}).items())
+            required = set(schema.get("required", ()))
+            n = len(props)
+            rules += [f'a{i}_{n} ::= ""', f'b{i}_{n} ::= ""']  # a: nothing written yet; b: after a keyword
+            for j in range(n - 1, -1, -1):
+                key, sub = props[j]
+                kw = f'{json.dumps(key + "=")} {_py_value(sub)}'
+                first, rest = f"{kw} b{i}_{j + 1}", f'", " {kw} b{i}_{j + 1}'
+                optional = key not in required
+                rules.append(f"a{i}_{j} ::= {first}" + (f" | a{i}_{j + 1}" if optional else ""))
+                rules.append(f"b{i}_{j} ::= {rest}" + (f" | b{i}_{j + 1}" if optional else ""))
+            rules.append(f'call{i} ::= {json.dumps(f["name"] + "(")} a{i}_0 ")"')
             names.append(f"call{i}")
-        call = " | ".join(names)
-        more = ' ("," " "? call)*' if parallel and function is None else ""
-        return {"grammar": f'root ::= "[" call{more} "]"\ncall ::= {call}\n' + "\n".join(rules) + _PY_VALUE}
+        more = ' (", " call)*' if parallel and function is None else ""
+        return {"grammar": f'root ::= "[" call{more} "]"\ncall ::= {" | ".join(names)}\n' + "\n".join(rules) + _PY_VALUE}
 
 
 TOOL_PARSERS: dict[str, ToolParser] = {

@@ -80,7 +80,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await self.constraints.check(params.sampling.constraint)
             if parser is not None:  # the grammar starts once the reasoning ends
                 constraint = constrain_after_reasoning(params.sampling.constraint, *params.reasoning)
-                params = dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, constraint=constraint))
+                if constraint is not params.sampling.constraint:
+                    await self.constraints.check(constraint)  # the executors compile this one
+                    params = dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, constraint=constraint))
         return params, self.engine.submit(params)  # under the caller's tenant (its cache salt too)
 
     def _reasoning_parser(self, request: pb.GenerateRequest):

@@ -180,6 +180,10 @@ def test_reasoning_content_is_the_references_text_split_streamed_or_not(gateways
     raw = grpc_client.chat(MESSAGES, max_tokens=24, temperature=0, chat_template_kwargs=kwargs or None,
                            reasoning_parser="none").collect()
     assert (raw.outputs[0].reasoning_text, raw.text) == ("", text)
+    if thinking:  # a constraint starts once the reasoning ends: the reasoning is written as without it
+        constrained = oai.chat.completions.create(**{**request, "extra_body": {"structured_outputs": {"choice": ["yes"]}}})
+        assert constrained.choices[0].message.model_dump().get("reasoning_content") == want_reasoning
+        assert (constrained.choices[0].message.content, constrained.choices[0].finish_reason) == (None, "length")
     hidden = oai.chat.completions.create(**{**request, "extra_body": {**(request["extra_body"] or {}),
                                                                      "include_reasoning": False}})
     assert "reasoning_content" not in hidden.choices[0].message.model_dump()
@@ -217,7 +221,7 @@ def test_forced_calls_in_each_format_streamed_or_not(gateways, grpc_client, no_b
 @pytest.mark.parametrize("parser", list(TOOL_PARSERS))
 def test_a_free_call_in_each_format_is_read_streamed_or_not(gateways, parser):
     oai = oai_for(gateways, parser)
-    request = dict(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0, tools=TOOLS,
+    request = dict(model=MODEL, messages=MESSAGES, max_tokens=96, temperature=0, tools=TOOLS,
                    extra_body={**NO_THINKING, "structured_outputs": {"choice": [FREE[parser]]}})
     reply = oai.chat.completions.create(**request)
     message = reply.choices[0].message

@@ -51,3 +51,36 @@ def test_tokens_queued_before_the_client_reads(tokenizer_and_spec, logprobs):
         assert all(len(o.logprobs) == 1 for o in outputs)
     else:
         assert len(outputs) == 1
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_the_reasoning_is_split_from_the_answer_token_by_token(tokenizer_and_spec, logprobs):
+    """A reasoning parser's split in the stream: `<think>` cut across tokens, `reasoning_text` apart
+    from `text`, tags removed, a stop string still matched on the whole text."""
+    import dataclasses
+
+    from pagoda.reasoning import get_reasoning_parser
+
+    tokenizer, spec = tokenizer_and_spec
+    req = pb.GenerateRequest(request_id="r", text="Hi")
+    req.stopping.stop.append("STOP")
+    req.response.logprobs = logprobs
+    parser = get_reasoning_parser("qwen3")
+    params = dataclasses.replace(validate_generate(req, tokenizer, spec, 2048), reasoning=(parser, parser.initial_state("")))
+    stream = ClientStream.create(params, tokenizer)
+    sample = stream.samples[0]
+    words = tokenizer("<think>\n2 and 2</think>\n\nFour.STOP ignored", add_special_tokens=False)["input_ids"]
+    for token_id in words:
+        if stream.on_token(sample, SampledToken("r", token_id, logprob=-0.5), None) is not None:
+            break
+    stream.finish_if_done()
+
+    async def collect():
+        return [r async for r in stream.responses()]
+
+    outputs = [o for r in asyncio.run(collect()) for o in r.outputs]
+    assert "".join(o.reasoning_text for o in outputs) == "\n2 and 2"
+    assert "".join(o.text for o in outputs) == "\n\nFour."
+    assert outputs[-1].matched_stop == "STOP" and outputs[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    if logprobs:
+        assert sum(len(o.token_ids) for o in outputs) == len(outputs)  # still one token each

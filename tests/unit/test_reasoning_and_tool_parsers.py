@@ -239,9 +239,11 @@ def test_each_constraint_accepts_its_format_and_the_parser_reads_it(name):
     first = firsts[name]
     assert accepts(one, first) and accepts(named, first), first
     assert parser.parse(first, TOOLS)[1] == single == CALLS[:1]
-    wrong = first.replace("Paris", "Paris\", \"extra\": \"x") if name in ("hermes", "llama3_json", "mistral") else None
-    if wrong is not None and name != "pythonic":
-        assert not accepts(named, wrong.replace('"days": 2', '"days": "two"'))
+    wrong_type = {"qwen3_coder": ("\n2\n", "\ntwo\n"), "pythonic": ("days=2", 'days="two"')}.get(name, ('"days": 2', '"days": "two"'))
+    assert wrong_type[0] in first and not accepts(named, first.replace(*wrong_type))
+    no_city = {"qwen3_coder": ("<parameter=city>\nParis\n</parameter>\n", ""), "pythonic": ('city="Paris", ', "")}.get(
+        name, ('"city": "Paris", ', ""))
+    assert no_city[0] in first and not accepts(named, first.replace(*no_city))  # "city" is required
 
 
 def test_tool_parsers_are_vllms_names_and_unknown_ones_are_refused():
