@@ -21,21 +21,27 @@ from collections import OrderedDict
 
 import grpc
 
-from gateway_svc.errors import GatewayError, too_large
+from gateway_svc.errors import ANTHROPIC_PATHS, GatewayError, too_large
 from pagoda.client import AsyncClient, PagodaError
 
 OPEN_PATHS = ("/health", "/metrics")
 
 
 def bearer_key(scope) -> str | None:
-    """The key of the request's `Authorization: Bearer <key>`, None without one; a header that
-    is not printable ASCII (gRPC metadata must be) is a 401."""
-    raw = dict(scope["headers"]).get(b"authorization", b"")
-    if any(not 0x20 <= b < 0x7F for b in raw):
-        raise GatewayError(401, "Authorization header: must be printable ASCII", type="authentication_error",
+    """The key of the request's `Authorization: Bearer <key>` (on Anthropic's paths, without one:
+    its `x-api-key` header), None without one; a header that is not printable ASCII (gRPC
+    metadata must be) is a 401."""
+    headers = dict(scope["headers"])
+    raw = headers.get(b"authorization", b"")
+    anthropic_key = headers.get(b"x-api-key", b"") if scope.get("path") in ANTHROPIC_PATHS else b""
+    if any(not 0x20 <= b < 0x7F for b in raw + anthropic_key):
+        header = "Authorization" if any(not 0x20 <= b < 0x7F for b in raw) else "x-api-key"
+        raise GatewayError(401, f"{header} header: must be printable ASCII", type="authentication_error",
                            param=None, code="invalid_api_key")
     scheme, _, key = raw.decode("ascii").partition(" ")
-    return key.strip() or None if scheme.lower() == "bearer" else None
+    if scheme.lower() == "bearer" and key.strip():
+        return key.strip()
+    return anthropic_key.decode("ascii").strip() or None
 
 
 # How long a verdict is kept: a key the scheduler stops taking (revoked: the scheduler restarted
@@ -132,7 +138,8 @@ class Admission:
             await self.verdicts.check(bearer_key(scope))
             body = await self._read_body(scope, receive)
         except GatewayError as err:
-            return await err.response()(scope, receive, send)
+            response = err.anthropic_response() if scope["path"] in ANTHROPIC_PATHS else err.response()
+            return await response(scope, receive, send)
         if body is None:  # the caller left while sending
             return None
         delivered = False

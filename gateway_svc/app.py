@@ -24,13 +24,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway_svc.admission import Admission, KeyVerdicts
+from gateway_svc.agent_chat import ChatOptions
 from gateway_svc.body import bearer, parse_body
+from gateway_svc.disconnect import until_disconnected
 from gateway_svc.errors import GatewayError, validation_error
+from gateway_svc.messages import messages_router
 from gateway_svc.metrics import GatewayMetrics
 from gateway_svc.models import ModelName, models_router
 from gateway_svc.pooling import pooling_router
+from gateway_svc.response_store import ResponseStore
+from gateway_svc.responses import responses_router
 from gateway_svc.schemas import ChatCompletionRequest, CompletionRequest
-from gateway_svc.tools import ToolDeltas, read_output, structured
+from gateway_svc.tools import SPECIAL_TOKEN_PARSERS, ToolDeltas, read_output, structured
 from gateway_svc.translate import (
     FINISH,
     Choice,
@@ -48,10 +53,6 @@ from pagoda.tool_parsers import DEFAULT_TOOL_PARSER, get_tool_parser
 
 log = logging.getLogger("gateway_svc")
 
-_DISCONNECT_POLL_S = 0.25
-# tool-call formats marked by special tokens, which the text must keep (vLLM turns
-# skip_special_tokens off for them too)
-SPECIAL_TOKEN_PARSERS = ("mistral",)
 # gRPC's default receive limit, the scheduler's --max-request-bytes default.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
@@ -103,26 +104,12 @@ async def _merged(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, Chunk]
             t.cancel()
 
 
-async def _until_disconnected(request: Request, coro):
-    """Await `coro`, cancelling it (and so its gRPC calls) if the caller disconnects."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                log.info("caller disconnected: request cancelled")
-                return Response(status_code=499)
-    finally:
-        task.cancel()
-
-
 def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+               response_store: ResponseStore | None = None) -> FastAPI:
     """`reasoning_parser`: sent with each chat (None: the scheduler's choice); `tool_call_parser`:
-    the tool-call format (None: the scheduler's `ModelInfo.tool_call_parser`, else hermes)."""
+    the tool-call format (None: the scheduler's `ModelInfo.tool_call_parser`, else hermes);
+    `response_store`: where `/v1/responses` keeps stored responses (None: in memory)."""
     app = FastAPI(title="Pagoda OpenAI-compatible gateway", docs_url=None, redoc_url=None)
     metrics = GatewayMetrics()
     app.add_middleware(Admission, verdicts=KeyVerdicts(client), max_request_bytes=max_request_bytes)
@@ -155,6 +142,10 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
 
     app.include_router(models_router(client))
     app.include_router(pooling_router(client, model))  # /v1/embeddings, /v1/rerank, /v1/score
+    store = ResponseStore(":memory:") if response_store is None else response_store
+    options = ChatOptions(reasoning_parser, tool_call_parser)
+    app.include_router(responses_router(client, model, options, store))
+    app.include_router(messages_router(client, model, options))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -196,7 +187,7 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
                    for c in (choices[k] for k in sorted(choices))]
             return {**head, "choices": out, "usage": usage_json([s.usage for s in streams])}
 
-        return await _until_disconnected(request, collect())
+        return await until_disconnected(request, collect())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -246,7 +237,7 @@ def create_app(client: AsyncClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
                    for c in (choices[k] for k in sorted(choices))]
             return {**head, "choices": out, "usage": usage_json([stream.usage])}
 
-        return await _until_disconnected(request, collect())
+        return await until_disconnected(request, collect())
 
     return app
 

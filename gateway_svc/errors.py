@@ -108,6 +108,19 @@ class GatewayError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
 
+    def anthropic_response(self) -> JSONResponse:
+        """The error in Anthropic's shape (`/v1/messages`), its type chosen by the status as Anthropic's."""
+        kind = _ANTHROPIC_TYPE.get(self.status, "api_error")
+        body = {"type": "error", "error": {"type": kind, "message": self.message}}
+        return JSONResponse(body, status_code=self.status)
+
+
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
 
 def too_large(limit: int) -> GatewayError:
     return GatewayError(413, f"request body larger than {limit} bytes (the gateway's --max-request-bytes)",
@@ -128,7 +141,7 @@ def _param(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p != "body" and not re.search(r"[\[\](),-]", str(p))]
     if not parts:
         return None
-    if parts[0] == "messages" and len(parts) >= 3 and parts[1].isdigit():
+    if parts[0] in ("messages", "input") and len(parts) >= 3 and parts[1].isdigit():
         return ".".join(parts[:3])
     return parts[0]
 

@@ -32,6 +32,9 @@ from gateway_svc.schemas import ChatCompletionRequest, Function, _Sampling
 from pagoda.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS, ToolCallStream, ToolParser, call_id
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# tool-call formats marked by special tokens, which the text must keep (vLLM turns
+# skip_special_tokens off for them too)
+SPECIAL_TOKEN_PARSERS = ("mistral",)
 
 
 @dataclass(frozen=True)

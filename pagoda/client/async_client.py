@@ -88,8 +88,9 @@ class AsyncClient(ClientBase):
         return AsyncStream(self, self._stream_state(None, messages, params, request_id, timeout, api_key, overrides))
 
     async def tokenize(self, text: str | None = None, *, messages=None,
-                       add_generation_prompt: bool | None = None, api_key: str | None = None) -> Tokens:
-        reply = await self._unary("Tokenize", self._tokenize_request(text, messages, add_generation_prompt), api_key)
+                       add_generation_prompt: bool | None = None, tools=(), api_key: str | None = None) -> Tokens:
+        request = self._tokenize_request(text, messages, add_generation_prompt, tools)
+        reply = await self._unary("Tokenize", request, api_key)
         return Tokens(tuple(reply.token_ids), tuple(reply.tokens))
 
     async def model_info(self, api_key: str | None = None) -> ModelInfo:

@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2
 
 from pagoda.client.connection import Connection, RetryPolicy, TLSConfig, parse_targets
 from pagoda.client.resume import StreamAttempts, auto_seed
-from pagoda.client.types import GenerateParams, Prompt, build_request, chat_messages
+from pagoda.client.types import GenerateParams, Prompt, build_request, chat_messages, chat_tools
 from pagoda.v1 import generation_pb2 as pb
 
 HEALTH_REQUEST = health_pb2.HealthCheckRequest(service="pagoda.v1.Generation")
@@ -52,12 +52,15 @@ class ClientBase:
                               self._metadata(api_key))
 
     @staticmethod
-    def _tokenize_request(text: str | None, messages, add_generation_prompt: bool | None) -> pb.TokenizeRequest:
+    def _tokenize_request(text: str | None, messages, add_generation_prompt: bool | None,
+                          tools=()) -> pb.TokenizeRequest:
         if (text is None) == (messages is None):
             raise ValueError("tokenize: give exactly one of text or messages")
         if text is not None:
+            if tools:
+                raise ValueError("tokenize: tools need messages")
             return pb.TokenizeRequest(text=text)
-        req = pb.TokenizeRequest(chat=pb.Chat(messages=chat_messages(messages)))
+        req = pb.TokenizeRequest(chat=pb.Chat(messages=chat_messages(messages), tools=chat_tools(tools)))
         if add_generation_prompt is not None:
             req.add_generation_prompt = add_generation_prompt
         return req

@@ -222,5 +222,15 @@ class StreamView:
         return self._state.usage
 
     @property
+    def num_prompt_tokens(self) -> int | None:
+        """The prompt's tokens, known from the first response on (None before it)."""
+        return self._state.num_prompt_tokens
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """The prompt's tokens read from the prefix cache, known from the first response on."""
+        return self._state.num_cached_tokens
+
+    @property
     def num_attempts(self) -> int:
         return self._state.attempt + 1

@@ -88,9 +88,9 @@ class Client(ClientBase):
         """Stream the assistant's answer to `messages` (the model's chat template is applied)."""
         return Stream(self, self._stream_state(None, messages, params, request_id, timeout, api_key, overrides))
 
-    def tokenize(self, text: str | None = None, *, messages=None, add_generation_prompt: bool | None = None,
+    def tokenize(self, text: str | None = None, *, messages=None, add_generation_prompt: bool | None = None, tools=(),
                  api_key: str | None = None) -> Tokens:
-        reply = self._unary("Tokenize", self._tokenize_request(text, messages, add_generation_prompt), api_key)
+        reply = self._unary("Tokenize", self._tokenize_request(text, messages, add_generation_prompt, tools), api_key)
         return Tokens(tuple(reply.token_ids), tuple(reply.tokens))
 
     def model_info(self, api_key: str | None = None) -> ModelInfo:

@@ -176,6 +176,11 @@ def _tool(tool: Mapping) -> pb.Tool:
                    parameters=_json_text(parameters) if parameters is not None else "")
 
 
+def chat_tools(tools: Iterable[Mapping]) -> list[pb.Tool]:
+    """Functions as OpenAI writes them (`{"type": "function", "function": {...}}` or the inner dict)."""
+    return [_tool(t) for t in tools]
+
+
 def _tool_call(call: Mapping) -> pb.ToolCall:
     f = call.get("function", call)
     return pb.ToolCall(id=call.get("id") or "", name=f["name"], arguments=_json_text(f.get("arguments", {})))
