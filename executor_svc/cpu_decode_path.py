@@ -20,8 +20,9 @@ token is a decode, at most `max_rows` of them (the GGUF linears' fused-kernel th
 it they dequantize into a GEMM), and every slot is written; any other step
 goes through the modules. Rows of LoRA adapters (`executor_svc.lora`) take it too, in the one-call
 form: after each projection, each adapter group's delta from the same float32 A and per-slice B
-(`pagoda_lora_add`: x A.T for all the group's rows, then each slice's B.T into its columns), the
-modules' numbers but for float32 summation order. The attention runs on torch's OpenMP team where the kernel shares it
+(csrc/cpu_ops.c's `lora_deltas`: x A.T for all the group's rows, then each slice's B.T into its
+columns, split over the OpenMP team where cpu_ops shares torch's), the modules' numbers but for
+float32 summation order. The attention runs on torch's OpenMP team where the kernel shares it
 (`parts_function`: whole sequences, and a long one split into parts, over every thread, as
 the module path's kernel call does); else on the calling thread, or split over the torch
 threads above `ONE_THREAD_KEYS`.
@@ -72,7 +73,7 @@ class _CStep(ctypes.Structure):  # pagoda_step_t
         "rows", "hidden", "q_size", "kv_size", "inter", "heads", "kv_heads", "head_dim", "block_size", "kv_bf16",
         "threads", "sandwich", "matmul", "attend", "residual", "hidden_out", "normed", "qkv", "q", "attn", "gate_up",
         "act", "side", "xs", "scratch", "scratch_stride", "cos", "sin", "local_cos", "local_sin",
-        "lora_groups", "lora_tables", "lora_start", "lora_rows", "lora_t",
+        "lora_groups", "lora_tables", "lora_start", "lora_rows", "lora_t", "lora_rank", "lora_threads",
     )] + [("eps", ctypes.c_float)]
 
 
@@ -190,6 +191,10 @@ class CpuDecodePath:
                 attend=ctypes.cast(step_attend, ctypes.c_void_p).value, eps=c.rms_norm_eps,
             )
             self._cache_list, self._cache_ptrs = None, None  # the K/V caches the layers' structures hold
+            from executor_svc.fused_ops import cpu_ops_library, cpu_ops_openmp
+
+            # the LoRA deltas over the OpenMP team where this library shares torch's (as the GGUF kernel and the attention do)
+            self._c_step.lora_threads = self._kernel.num_threads if library is cpu_ops_library() and cpu_ops_openmp() else 1
         # LoRA adapters (executor_svc.lora): per adapter id, its deltas as one pagoda_lora_layer_t a layer, and
         # the largest rank of a projection; rebuilt where adapters were loaded or unloaded since (LoraState.version)
         self._lora_tables: dict[int, tuple[ctypes.Array, int]] = {}
@@ -375,14 +380,14 @@ class CpuDecodePath:
         self._lora_step = (pointers, start, grouped_rows, tables)
         step.lora_groups = len(tables)
         step.lora_tables, step.lora_start, step.lora_rows = (a.ctypes.data for a in (pointers, start, grouped_rows))
-        step.lora_t = self._lora_t.data_ptr()
+        step.lora_t, step.lora_rank = self._lora_t.data_ptr(), rank
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> tuple | None:
         """(hidden, residual) as the model's forward returns them, or None: this step is not for this path.
 
         `meta`: one for every layer, or one per layer (each layer's KV cache group's). Rows of LoRA
-        adapters take their deltas inside the one-call step (`pagoda_lora_add` after each projection);
+        adapters take their deltas inside the one-call step (`lora_deltas` after each projection);
         the per-layer loop of C calls (no one-call step, or more than `max_rows` rows) leaves such a
         step to the modules."""
         rows = input_ids.shape[0]

@@ -19,7 +19,7 @@ x[rows] @ A.T, then each slice's part @ B.T -- a loop over the step's adapters (
 `max_loras`), never over requests: vLLM's CPU punica path does the same. Rows of the base
 model take no extra work, and a step with no adapter row costs one attribute test a projection.
 A GGUF model's decode steps apply the same deltas inside its C decode step
-(`executor_svc.cpu_decode_path`, csrc/cpu_ops.c's `pagoda_lora_add`), from the same matrices.
+(`executor_svc.cpu_decode_path`, csrc/cpu_ops.c's `lora_deltas`), from the same matrices.
 
 On CUDA (`kernels`): every adapter's A and B of a projection stacked by slot ([slots, R, in],
 [slots, out, R], ranks zero-padded, in the model's dtype) and the step's rows grouped once

@@ -139,7 +139,8 @@ void pagoda_silu_and_mul(const float *x, int64_t rows, int64_t n, float *out) {
 // One adapter's delta on one projection, for the rows of the step that use it: t = x A.T (every slice's
 // shrink at once: A holds the slices' A stacked, [rank][in]), then each slice's ranks expand into its own
 // columns of y through B.T ([part_rank][cols], scaled by alpha / r): y[row][first_col + c] += t[row] . bt[:, c].
-// A is read once for all the rows; the expand is a row of axpys over y's columns (no horizontal sums).
+// A and B are read once for all the group's rows; the expand is a row of axpys over y's columns (no
+// horizontal sums). `lora_deltas` below, inside pagoda_decode_layers.
 
 #define PAGODA_LORA_PARTS 4
 typedef struct {
@@ -161,37 +162,6 @@ static float dot_f32(const float *a, const float *b, int64_t n) {
     float tail = 0.0f;
     for (; i < n; i++) tail += a[i] * b[i];
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
-}
-
-// y[rows[i]] (rows `ldy` floats apart) += the delta of x[rows[i]] (rows `ldx` apart, `in` wide), i < n;
-// t: scratch of n * L->rank floats
-void pagoda_lora_add(const pagoda_lora_t *L, const float *x, int64_t ldx, int64_t in, float *y, int64_t ldy,
-                     const int64_t *rows, int64_t n, float *t) {
-    const int64_t R = L->rank;
-    if (R <= 0 || n <= 0) return;
-    const float *A = (const float *)(intptr_t)L->a;
-    for (int64_t j = 0; j < R; j++) {
-        const float *aj = A + j * in;
-        for (int64_t i = 0; i < n; i++) t[i * R + j] = dot_f32(aj, x + rows[i] * ldx, in);
-    }
-    for (int64_t p = 0; p < L->parts; p++) {
-        const float *bt = (const float *)(intptr_t)L->bt[p];
-        const int64_t r0 = L->first_rank[p], r = L->part_rank[p], c0 = L->first_col[p], cols = L->cols[p];
-        for (int64_t i = 0; i < n; i++) {
-            float *yr = y + rows[i] * ldy + c0;
-            const float *ti = t + i * R + r0;
-            int64_t k = 0;
-            for (; k + 4 <= r; k += 4) {
-                const float s0 = ti[k], s1 = ti[k + 1], s2 = ti[k + 2], s3 = ti[k + 3];
-                const float *b0 = bt + k * cols, *b1 = b0 + cols, *b2 = b1 + cols, *b3 = b2 + cols;
-                for (int64_t c = 0; c < cols; c++) yr[c] += (s0 * b0[c] + s1 * b1[c]) + (s2 * b2[c] + s3 * b3[c]);
-            }
-            for (; k < r; k++) {
-                const float s0 = ti[k], *b0 = bt + k * cols;
-                for (int64_t c = 0; c < cols; c++) yr[c] += s0 * b0[c];
-            }
-        }
-    }
 }
 
 // ---- A whole decode step's layers in one call (executor_svc/cpu_decode_path.py) ----------------
@@ -232,8 +202,9 @@ typedef struct {
     int64_t residual, hidden_out, normed, qkv, q, attn, gate_up, act, side, xs, scratch, scratch_stride;
     int64_t cos, sin, local_cos, local_sin;
     // LoRA (lora_groups 0: none): group g's rows lora_rows[lora_start[g] .. lora_start[g + 1]) take the deltas of
-    // lora_tables[g] (its pagoda_lora_layer_t per layer); lora_t: scratch of rows * the largest rank
-    int64_t lora_groups, lora_tables, lora_start, lora_rows, lora_t;
+    // lora_tables[g] (its pagoda_lora_layer_t per layer); lora_t: scratch of rows * lora_rank (the largest
+    // rank of a projection) floats; lora_threads: the OpenMP team's threads to split them over (1: this thread)
+    int64_t lora_groups, lora_tables, lora_start, lora_rows, lora_t, lora_rank, lora_threads;
     float eps;
 } pagoda_step_t;
 
@@ -247,15 +218,69 @@ static void linear(const pagoda_step_t *s, const pagoda_linear_t *l, const float
     }
 }
 
-// each LoRA group's delta of projection `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer` into y
+// Each LoRA group's delta of projection `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer` into y
+// [rows][ldy] (x [rows][in]), split over `lora_threads` threads of the
+// OpenMP team (torch's, as the GGUF matmuls': cpu_ops is built with -fopenmp where that team is torch's) in
+// one region: the shrinks of every group by rank row, then the expands by chunks of LORA_CHUNK output
+// columns (disjoint writes). Each value is computed the same way whatever the number of threads.
+#define LORA_CHUNK 64
+static inline const pagoda_lora_t *lora_of(const pagoda_step_t *s, int64_t g, int64_t layer, int which) {
+    const pagoda_lora_layer_t *t = (const pagoda_lora_layer_t *)(intptr_t)((const int64_t *)(intptr_t)s->lora_tables)[g] + layer;
+    return which == 0 ? &t->qkv : which == 1 ? &t->o : which == 2 ? &t->gate_up : &t->down;
+}
+
 static void lora_deltas(const pagoda_step_t *s, int64_t layer, int which, const float *x, int64_t in, float *y,
                         int64_t ldy) {
-    const int64_t *tables = (const int64_t *)(intptr_t)s->lora_tables, *start = (const int64_t *)(intptr_t)s->lora_start;
-    const int64_t *rows = (const int64_t *)(intptr_t)s->lora_rows;
-    for (int64_t g = 0; g < s->lora_groups; g++) {
-        const pagoda_lora_layer_t *t = (const pagoda_lora_layer_t *)(intptr_t)tables[g] + layer;
-        const pagoda_lora_t *L = which == 0 ? &t->qkv : which == 1 ? &t->o : which == 2 ? &t->gate_up : &t->down;
-        pagoda_lora_add(L, x, in, in, y, ldy, rows + start[g], start[g + 1] - start[g], (float *)(intptr_t)s->lora_t);
+    const int64_t G = s->lora_groups, Rmax = s->lora_rank, chunks = (ldy + LORA_CHUNK - 1) / LORA_CHUNK;
+    const int64_t *start = (const int64_t *)(intptr_t)s->lora_start, *rows = (const int64_t *)(intptr_t)s->lora_rows;
+    float *T = (float *)(intptr_t)s->lora_t;  // row (start[g] + i) of group g: its shrink, Rmax floats
+    int64_t work = 0;  // multiply-adds
+    for (int64_t g = 0; g < G; g++) {
+        const pagoda_lora_t *L = lora_of(s, g, layer, which);
+        work += (start[g + 1] - start[g]) * L->rank * (in + ldy / (L->parts > 0 ? L->parts : 1));
+    }
+    if (!work) return;
+    int threads = (int)s->lora_threads;
+    if (work < 16384) threads = 1;
+    (void)threads;  // (without OpenMP: this thread)
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < G * Rmax; item++) {
+            const int64_t g = item / Rmax, j = item % Rmax;
+            const pagoda_lora_t *L = lora_of(s, g, layer, which);
+            if (j >= L->rank) continue;
+            const float *aj = (const float *)(intptr_t)L->a + j * in;
+            for (int64_t i = start[g]; i < start[g + 1]; i++) T[i * Rmax + j] = dot_f32(aj, x + rows[i] * in, in);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < G * chunks; item++) {
+            const int64_t g = item / chunks, lo = (item % chunks) * LORA_CHUNK;
+            const int64_t hi = lo + LORA_CHUNK < ldy ? lo + LORA_CHUNK : ldy;
+            const pagoda_lora_t *L = lora_of(s, g, layer, which);
+            for (int64_t p = 0; p < (L->rank ? L->parts : 0); p++) {
+                const int64_t c0 = L->first_col[p], cols = L->cols[p], r = L->part_rank[p];
+                const int64_t a = lo > c0 ? lo : c0, b = hi < c0 + cols ? hi : c0 + cols;
+                if (a >= b) continue;
+                const float *bt = (const float *)(intptr_t)L->bt[p] + (a - c0);
+                for (int64_t i = start[g]; i < start[g + 1]; i++) {
+                    const float *ti = T + i * Rmax + L->first_rank[p];
+                    float acc[LORA_CHUNK] = {0};
+                    for (int64_t k = 0; k < r; k++) {
+                        const float sk = ti[k], *bk = bt + k * cols;
+                        for (int64_t c = 0; c < b - a; c++) acc[c] += sk * bk[c];
+                    }
+                    float *yr = y + rows[i] * ldy + a;
+                    for (int64_t c = 0; c < b - a; c++) yr[c] += acc[c];
+                }
+            }
+        }
     }
 }
 

@@ -178,7 +178,7 @@ def write_random_adapter(folder, config, targets: dict[str, int], seed: int, **o
 def test_decode_steps_with_adapter_rows_equal_the_modules(runner, monkeypatch, tmp_path):
     """Rows of LoRA adapters (two adapters beside base rows, one on every projection, one on some slices of
     the merged q/k/v and gate/up only, rsLoRA) take the one-call C step, their deltas added after each
-    projection (`pagoda_lora_add`): the modules' hidden states within float32 summation order."""
+    projection (csrc/cpu_ops.c's `lora_deltas`): the modules' hidden states within float32 summation order."""
     from transformers import AutoTokenizer
 
     path = runner.backend.decode_step
