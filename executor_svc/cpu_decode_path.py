@@ -18,7 +18,11 @@ decode-attention kernel), in the same order on the same values, so the hidden st
 same to the bit (tests/executor/test_cpu_decode_path.py). It takes a step only when every
 token is a decode, at most `max_rows` of them (the GGUF linears' fused-kernel threshold: above
 it they dequantize into a GEMM), and every slot is written; any other step
-goes through the modules. The attention runs on torch's OpenMP team where the kernel shares it
+goes through the modules. Rows of LoRA adapters (`executor_svc.lora`) take it too, in the one-call
+form: after each projection, each adapter group's delta from the same float32 A and per-slice B
+(csrc/cpu_ops.c's `lora_deltas`: x A.T for all the group's rows, then each slice's B.T into its
+columns, split over the OpenMP team where cpu_ops shares torch's), the modules' numbers but for
+float32 summation order. The attention runs on torch's OpenMP team where the kernel shares it
 (`parts_function`: whole sequences, and a long one split into parts, over every thread, as
 the module path's kernel call does); else on the calling thread, or split over the torch
 threads above `ONE_THREAD_KEYS`.
@@ -69,7 +73,32 @@ class _CStep(ctypes.Structure):  # pagoda_step_t
         "rows", "hidden", "q_size", "kv_size", "inter", "heads", "kv_heads", "head_dim", "block_size", "kv_bf16",
         "threads", "sandwich", "matmul", "attend", "residual", "hidden_out", "normed", "qkv", "q", "attn", "gate_up",
         "act", "side", "xs", "scratch", "scratch_stride", "cos", "sin", "local_cos", "local_sin",
+        "lora_groups", "lora_tables", "lora_start", "lora_rows", "lora_t", "lora_rank", "lora_threads",
     )] + [("eps", ctypes.c_float)]
+
+
+LORA_PARTS = 4  # csrc/cpu_ops.c's PAGODA_LORA_PARTS
+
+
+class _CLora(ctypes.Structure):  # pagoda_lora_t: one adapter's delta on one projection (lora.LoraDelta)
+    _fields_ = [("rank", _i64), ("a", _i64), ("parts", _i64)] + [
+        (name, _i64 * LORA_PARTS) for name in ("first_rank", "part_rank", "first_col", "cols", "bt")]
+
+
+class _CLoraLayer(ctypes.Structure):  # pagoda_lora_layer_t
+    _fields_ = [("qkv", _CLora), ("o", _CLora), ("gate_up", _CLora), ("down", _CLora)]
+
+
+def _c_lora(delta) -> _CLora:
+    """A `lora.LoraDelta` (or None: no delta) as the C structure (pointers into its tensors)."""
+    c = _CLora()
+    if delta is None:
+        return c
+    c.rank, c.a, c.parts = delta.a.shape[0], delta.a.data_ptr(), len(delta.parts)
+    for i, p in enumerate(delta.parts):
+        c.first_rank[i], c.part_rank[i], c.first_col[i], c.cols[i], c.bt[i] = (
+            p.first_rank, p.rank, p.first_col, p.cols, p.bt.data_ptr())
+    return c
 
 
 def _c_linear(linear: _Linear) -> _CLinear:
@@ -96,7 +125,7 @@ class _Linear:
 
 
 def _linear(module) -> _Linear | None:
-    module = getattr(module, "base", module)  # a LoRA-wrapped projection's own weights (its steps with adapters go elsewhere)
+    module = getattr(module, "base", module)  # a LoRA-wrapped projection's own weights (its deltas: `_set_lora`)
     if not isinstance(module, GGUFLinear) or module.bias is not None:
         return None
     segments = tuple((t, p.data_ptr(), p.shape[1], p.shape[0]) for t, p in module.segments)
@@ -162,6 +191,16 @@ class CpuDecodePath:
                 attend=ctypes.cast(step_attend, ctypes.c_void_p).value, eps=c.rms_norm_eps,
             )
             self._cache_list, self._cache_ptrs = None, None  # the K/V caches the layers' structures hold
+            from executor_svc.fused_ops import cpu_ops_library, cpu_ops_openmp
+
+            # the LoRA deltas over the OpenMP team where this library shares torch's (as the GGUF kernel and the attention do)
+            self._c_step.lora_threads = self._kernel.num_threads if library is cpu_ops_library() and cpu_ops_openmp() else 1
+        # LoRA adapters (executor_svc.lora): per adapter id, its deltas as one pagoda_lora_layer_t a layer, and
+        # the largest rank of a projection; rebuilt where adapters were loaded or unloaded since (LoraState.version)
+        self._lora_tables: dict[int, tuple[ctypes.Array, int]] = {}
+        self._lora_version = -1
+        self._lora_t = torch.empty(0)  # the shrink's scratch (rows * rank floats), grown as needed
+        self._lora_step = None  # the step's arrays the C call reads (kept alive until the next step)
         scale = c.embed_scale  # Gemma's, in the model's dtype as the modules scale it
         self._embed_scale = None if scale is None else torch.tensor(scale, dtype=model.dtype)
         self._dtype = model.dtype
@@ -298,14 +337,63 @@ class CpuDecodePath:
         per_layer = rows_of[[index[id(m)] for m in metas]]  # [layers, 5], contiguous
         self._one_call(self._c_layers, len(self._c_layers), ctypes.byref(step), per_layer.ctypes.data)
 
+    def _lora_table(self, adapter: int) -> tuple[ctypes.Array, int]:
+        """The C deltas of adapter id `adapter` on every layer (its `LoraLinear`s' `LoraDelta`s), and its largest rank."""
+        table = self._lora_tables.get(adapter)
+        if table is None:
+            layers, rank = [], 0
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                deltas = [getattr(m, "adapters", {}).get(adapter) for m in
+                          (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+                rank = max([rank] + [d.a.shape[0] for d in deltas if d is not None])
+                layers.append(_CLoraLayer(*[_c_lora(d) for d in deltas]))
+            table = self._lora_tables[adapter] = ((_CLoraLayer * len(layers))(*layers), rank)
+        return table
+
+    def _set_lora(self, lora, rows: int) -> bool:
+        """The step's adapter groups into the step structure (lora: the model's LoraState, or None); False:
+        rows of an adapter this path cannot take (the modules add their deltas)."""
+        step = self._c_step
+        step.lora_groups = 0
+        self._lora_step = None
+        if lora is None or not lora.active:
+            return True
+        token_adapters = lora.token_adapters
+        if lora.meta is not None or token_adapters is None or token_adapters.shape[0] != rows:
+            return False
+        if lora.version != self._lora_version:  # adapters loaded or unloaded: their tables anew
+            self._lora_tables.clear()
+            self._lora_version = lora.version
+        taken = np.flatnonzero(token_adapters >= 0)
+        ids = token_adapters[taken]
+        order = np.argsort(ids, kind="stable")
+        adapters, counts = np.unique(ids, return_counts=True)
+        tables = [self._lora_table(int(a)) for a in adapters.tolist()]
+        rank = max(t[1] for t in tables)
+        if self._lora_t.numel() < rows * rank:
+            self._lora_t = torch.empty(rows * rank)
+        pointers = np.array([ctypes.addressof(t[0]) for t in tables], dtype=np.int64)
+        start = np.zeros(len(tables) + 1, dtype=np.int64)
+        np.cumsum(counts, out=start[1:])
+        grouped_rows = np.ascontiguousarray(taken[order], dtype=np.int64)
+        self._lora_step = (pointers, start, grouped_rows, tables)
+        step.lora_groups = len(tables)
+        step.lora_tables, step.lora_start, step.lora_rows = (a.ctypes.data for a in (pointers, start, grouped_rows))
+        step.lora_t, step.lora_rank = self._lora_t.data_ptr(), rank
+        return True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> tuple | None:
         """(hidden, residual) as the model's forward returns them, or None: this step is not for this path.
 
-        `meta`: one for every layer, or one per layer (each layer's KV cache group's)."""
-        lora = self.model.lora
-        if lora is not None and lora.active:  # rows of an adapter: the modules add its deltas
-            return None
+        `meta`: one for every layer, or one per layer (each layer's KV cache group's). Rows of LoRA
+        adapters take their deltas inside the one-call step (`lora_deltas` after each projection);
+        the per-layer loop of C calls (no one-call step, or more than `max_rows` rows) leaves such a
+        step to the modules."""
         rows = input_ids.shape[0]
+        lora = self.model.lora
+        if lora is not None and lora.active and (self._one_call is None or rows > self.max_rows):
+            return None
         metas = meta if isinstance(meta, tuple) else (meta,) * len(self._layers)
         first = metas[0]
         if first.max_query_len != 1:
@@ -356,6 +444,8 @@ class CpuDecodePath:
             )
         normed, qkv, q, attn, gate_up, act, side, scratch = buffers
         if self._one_call is not None and rows <= self.max_rows:
+            if not self._set_lora(lora, rows):
+                return None
             self._one_step(rows, block_size, kv_bf16, kv_caches, metas, layouts, (
                 residual, hidden, normed, qkv, q, attn, gate_up, act, side, self._scratch, scratch), tables)
             return hidden, residual

@@ -41,13 +41,17 @@ CPU_OPS_MAX_ROWS = 64
 
 
 _cpu_library: ctypes.CDLL | None | bool = False  # False: not loaded yet
+_cpu_openmp = False  # whether its OpenMP regions run on torch's team (cbuild.load_openmp)
 
 
 def cpu_ops_library() -> ctypes.CDLL | None:
     """csrc/cpu_ops.c built and loaded once per process (its argument types set), or None (no compiler)."""
-    global _cpu_library
+    global _cpu_library, _cpu_openmp
     if _cpu_library is False:
-        library = cbuild.load(CPU_OPS_SOURCE, cbuild.BASE_CFLAGS, "CPU elementwise ops (torch ops instead)")
+        # with OpenMP where its team is torch's (the decode step's LoRA deltas split over it; the other ops
+        # are one thread's loops either way)
+        library, _cpu_openmp = cbuild.load_openmp(CPU_OPS_SOURCE, cbuild.BASE_CFLAGS,
+                                                  "CPU elementwise ops (torch ops instead)")
         if library is not None:
             i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
             signatures = {
@@ -67,6 +71,11 @@ def cpu_ops_library() -> ctypes.CDLL | None:
                 fn.argtypes, fn.restype = argtypes, None
         _cpu_library = library
     return _cpu_library
+
+
+def cpu_ops_openmp() -> bool:
+    """Whether `cpu_ops_library()`'s OpenMP regions run on torch's team (else they are not to be used)."""
+    return cpu_ops_library() is not None and _cpu_openmp
 
 
 def cpu_model_ops(library: ctypes.CDLL | None = None) -> ModelOps | None:

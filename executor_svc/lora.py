@@ -4,19 +4,22 @@ An adapter is a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`
 the projections q/k/v/o and gate/up/down, two matrices A [r, in] and B [out, r] whose product,
 scaled, is added to the projection's output: `y = W x + (B (A x)) * scale`, with
 `scale = lora_alpha / r` (rsLoRA: `lora_alpha / sqrt(r)`; `rank_pattern` / `alpha_pattern`
-per module, as PEFT reads them). The decoder's projections are merged (`qkv_proj` rows
-[q | k | v], `gate_up_proj` rows [gate | up]), so an adapter's A matrices of one merged
-projection are stacked into one [sum r, in] and its B matrices placed, scaled, in a
-[out, sum r] of zeros where their rows go: one pair of matmuls a projection per adapter,
-whatever slices it adapts. Phi-3's stored `qkv_proj` / `gate_up_proj` are adapted as they are.
+per module, as PEFT reads them). The decoder's projections are merged
+(`qkv_proj` rows [q | k | v], `gate_up_proj` rows [gate | up]), so an adapter's A matrices of one
+merged projection are stacked into one [sum r, in] (one shrink) and each slice keeps its own B,
+scaled and transposed ([r, rows], `LoraDelta.parts`), expanded into its rows of the output only:
+a block-diagonal B over the merged width would multiply zeros (3x the work on q/k/v).
+Phi-3's stored `qkv_proj` / `gate_up_proj` are adapted as they are.
 
 `LoraLinear` wraps a projection (whatever holds its weights: `nn.Linear`, a packed oneDNN copy,
 GGUF blocks, int8 rows; the adapter stays in float32 beside them). A step's rows are grouped
 by adapter once (`LoraState.set_step`: an index, or a slice where the adapter's rows are
 contiguous), and each wrapped projection adds each group's delta in one batched pass --
-x[rows] @ A.T, then @ B.T -- a loop over the step's adapters (at most `max_loras`), never
-over requests: vLLM's CPU punica path does the same. Rows of the base model take no extra work,
-and a step with no adapter row costs one attribute test a projection.
+x[rows] @ A.T, then each slice's part @ B.T -- a loop over the step's adapters (at most
+`max_loras`), never over requests: vLLM's CPU punica path does the same. Rows of the base
+model take no extra work, and a step with no adapter row costs one attribute test a projection.
+A GGUF model's decode steps apply the same deltas inside its C decode step
+(`executor_svc.cpu_decode_path`, csrc/cpu_ops.c's `lora_deltas`), from the same matrices.
 
 On CUDA (`kernels`): every adapter's A and B of a projection stacked by slot ([slots, R, in],
 [slots, out, R], ranks zero-padded, in the model's dtype) and the step's rows grouped once
@@ -59,6 +62,43 @@ class _Slice:
     scale: float
 
 
+@dataclass(frozen=True)
+class LoraPart:
+    """One slice of a `LoraDelta`: its ranks [first_rank, first_rank + rank) of the shrink's output
+    expand into the output's columns [first_col, first_col + cols) through `bt` [rank, cols]
+    (B.T, scaled by the slice's alpha / r), float32, contiguous."""
+
+    first_rank: int
+    rank: int
+    first_col: int
+    cols: int
+    bt: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    """One adapter's delta on one (merged) projection: y[:, part's columns] += (x @ a.T)[:, part's ranks] @ part.bt."""
+
+    a: torch.Tensor  # [R, in] float32, contiguous: the slices' A stacked
+    parts: tuple[LoraPart, ...]
+    whole: bool  # one part over every output column (no column slicing needed)
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes + sum(p.bt.nbytes for p in self.parts)
+
+    def to(self, device: torch.device) -> LoraDelta:
+        parts = tuple(LoraPart(p.first_rank, p.rank, p.first_col, p.cols, p.bt.to(device)) for p in self.parts)
+        return LoraDelta(self.a.to(device), parts, self.whole)
+
+    def block_b(self, out_features: int) -> torch.Tensor:
+        """B [out, R] with each slice's B at its rows and zeros elsewhere (the kernels' layout)."""
+        b = torch.zeros(out_features, self.a.shape[0], dtype=torch.float32, device=self.a.device)
+        for p in self.parts:
+            b[p.first_col : p.first_col + p.cols, p.first_rank : p.first_rank + p.rank] = p.bt.T
+        return b
+
+
 class LoraLinear(nn.Module):
     """A projection plus the deltas of the adapters the step's rows use (see the module docstring)."""
 
@@ -68,20 +108,20 @@ class LoraLinear(nn.Module):
         self.state = state
         self.in_features = base.in_features
         self.out_features = base.out_features
-        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # adapter id -> (A [R, in], B [out, R]) float32
+        self.adapters: dict[int, LoraDelta] = {}  # adapter id -> its delta on this projection
         self.a_stacked: torch.Tensor | None = None  # (kernels) [slots, R, in], [slots, out, R]: `stack`
         self.b_stacked: torch.Tensor | None = None
 
     def stack(self, slots: list[int], dtype: torch.dtype, device: torch.device) -> None:
         """The adapters' A and B by slot (`slots[i]`: the adapter id of slot i), for the kernels."""
-        rank = max((a.shape[0] for a, _ in self.adapters.values()), default=1)
+        rank = max((d.a.shape[0] for d in self.adapters.values()), default=1)
         a_stacked = torch.zeros(len(slots), rank, self.in_features, dtype=dtype, device=device)
         b_stacked = torch.zeros(len(slots), self.out_features, rank, dtype=dtype, device=device)
         for slot, adapter in enumerate(slots):
             if adapter in self.adapters:
-                a, b = self.adapters[adapter]
-                a_stacked[slot, : a.shape[0]] = a
-                b_stacked[slot, :, : a.shape[0]] = b
+                delta = self.adapters[adapter]
+                a_stacked[slot, : delta.a.shape[0]] = delta.a
+                b_stacked[slot, :, : delta.a.shape[0]] = delta.block_b(self.out_features)
         self.a_stacked, self.b_stacked = a_stacked, b_stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,18 +132,25 @@ class LoraLinear(nn.Module):
 
             lora_expand(lora_shrink(x, self.a_stacked, meta), self.b_stacked, meta, out)
             return out
+        f32 = out.dtype == torch.float32
         for adapter, rows in self.state.groups:
-            weights = self.adapters.get(adapter)
-            if weights is None:
+            delta = self.adapters.get(adapter)
+            if delta is None:
                 continue
-            a, b = weights
-            delta = (x[rows].float() @ a.T) @ b.T
-            if isinstance(rows, slice) and out.dtype == torch.float32:
-                out[rows].add_(delta)
-            elif out.dtype == torch.float32:
-                out.index_add_(0, rows, delta)
-            else:
-                out[rows] = (out[rows].float() + delta).to(out.dtype)
+            t = x[rows].float() @ delta.a.T  # [n, R]: every slice's shrink at once
+            if not f32:
+                part_out = out[rows].float()
+            for p in delta.parts:
+                ts = t if delta.whole or len(delta.parts) == 1 else t[:, p.first_rank : p.first_rank + p.rank]
+                cols = slice(None) if delta.whole else slice(p.first_col, p.first_col + p.cols)
+                if not f32:
+                    part_out[:, cols].addmm_(ts, p.bt)
+                elif isinstance(rows, slice):
+                    out[rows, cols].addmm_(ts, p.bt)
+                else:
+                    out[:, cols].index_add_(0, rows, ts @ p.bt)
+            if not f32:
+                out[rows] = part_out.to(out.dtype)
         return out
 
 
@@ -115,6 +162,8 @@ class LoraState:
         self.kernels = False  # rows grouped for kernels.lora (`meta`) rather than `groups`
         self.slot_of: np.ndarray = np.zeros(0, dtype=np.int64)  # (kernels) adapter id -> its slot
         self.meta = None  # (kernels) kernels.lora.LoraMeta of the step
+        self.token_adapters: np.ndarray | None = None  # the step's adapter id per token (-1: base), where any
+        self.version = 0  # counts loads and unloads (the C decode path's tables of the adapters follow it)
 
     @property
     def active(self) -> bool:
@@ -122,9 +171,10 @@ class LoraState:
 
     def set_step(self, token_adapters: np.ndarray | None, device: torch.device) -> None:
         """`token_adapters[i]`: the adapter id of the step's i-th token, -1 for the base model."""
-        self.groups, self.meta = [], None
+        self.groups, self.meta, self.token_adapters = [], None, None
         if token_adapters is None or not (token_adapters >= 0).any():
             return
+        self.token_adapters = token_adapters
         if self.kernels:
             from kernels.lora import lora_metadata
 
@@ -145,11 +195,11 @@ class Adapter:
     path: Path | None  # (sent over the link: no path)
     id: int
     rank: int
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # projection's module name -> (A, B)
+    weights: dict[str, LoraDelta]  # projection's module name -> its delta
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(d.nbytes for d in self.weights.values())
 
 
 def _pattern_value(patterns: dict, key: str, default):
@@ -237,16 +287,17 @@ def _slice_rows(c, leaf: str, merged_out: int) -> int:
             "gate_proj": c.intermediate_size, "up_proj": c.intermediate_size}.get(leaf, merged_out)
 
 
-def merge_slices(parts: list[_Slice], out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [sum r, in] (the slices' A stacked) and B [out, sum r] (each slice's B, scaled, at its rows)."""
-    a = torch.cat([p.a for p in parts])
-    b = torch.zeros(out_features, a.shape[0], dtype=torch.float32)
-    start = 0
+def merge_slices(parts: list[_Slice], out_features: int) -> LoraDelta:
+    """The slices' A stacked [sum r, in] and each slice's B, scaled and transposed, for its rows."""
+    parts = sorted(parts, key=lambda p: p.first_row)
+    a = torch.cat([p.a for p in parts]).contiguous()
+    out, start = [], 0
     for p in parts:
         rank = p.a.shape[0]
-        b[p.first_row : p.first_row + p.b.shape[0], start : start + rank] = p.b * p.scale
+        out.append(LoraPart(start, rank, p.first_row, p.b.shape[0], (p.b * p.scale).T.contiguous()))
         start += rank
-    return a.contiguous(), b
+    whole = len(out) == 1 and out[0].first_col == 0 and out[0].cols == out_features
+    return LoraDelta(a, tuple(out), whole)
 
 
 class LoraManager:
@@ -282,15 +333,15 @@ class LoraManager:
         device = self.model.device
         weights = {}
         for owner_name, parts in slices.items():
-            a, b = merge_slices(parts, self.modules[owner_name].out_features)
-            weights[owner_name] = (a.to(device), b.to(device))
+            weights[owner_name] = merge_slices(parts, self.modules[owner_name].out_features).to(device)
         if name in self.adapters:
             self.unload(name)
         adapter = Adapter(name, path, self._next_id, max(p.a.shape[0] for s in slices.values() for p in s), weights)
         self._next_id += 1
-        for owner_name, ab in weights.items():
-            self.modules[owner_name].adapters[adapter.id] = ab
+        for owner_name, delta in weights.items():
+            self.modules[owner_name].adapters[adapter.id] = delta
         self.adapters[name] = adapter
+        self.state.version += 1
         self._restack()
         return adapter
 
@@ -300,6 +351,7 @@ class LoraManager:
             raise LoraError("lora_name", f"{name!r} is not loaded")
         for module in self.modules.values():
             module.adapters.pop(adapter.id, None)
+        self.state.version += 1
         self._restack()
 
     def _restack(self) -> None:

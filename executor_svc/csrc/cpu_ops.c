@@ -134,6 +134,36 @@ void pagoda_silu_and_mul(const float *x, int64_t rows, int64_t n, float *out) {
     }
 }
 
+// ---- LoRA deltas of a few rows (executor_svc/lora.py's LoraDelta, float32) ----------------------
+//
+// One adapter's delta on one projection, for the rows of the step that use it: t = x A.T (every slice's
+// shrink at once: A holds the slices' A stacked, [rank][in]), then each slice's ranks expand into its own
+// columns of y through B.T ([part_rank][cols], scaled by alpha / r): y[row][first_col + c] += t[row] . bt[:, c].
+// A and B are read once for all the group's rows; the expand is a row of axpys over y's columns (no
+// horizontal sums). `lora_deltas` below, inside pagoda_decode_layers.
+
+#define PAGODA_LORA_PARTS 4
+typedef struct {
+    int64_t rank, a;  // A [rank][in] float32; rank 0: the adapter leaves this projection alone
+    int64_t parts;
+    int64_t first_rank[PAGODA_LORA_PARTS], part_rank[PAGODA_LORA_PARTS], first_col[PAGODA_LORA_PARTS],
+        cols[PAGODA_LORA_PARTS], bt[PAGODA_LORA_PARTS];
+} pagoda_lora_t;
+
+typedef struct {  // one adapter's deltas on one layer's projections
+    pagoda_lora_t qkv, o, gate_up, down;
+} pagoda_lora_layer_t;
+
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float tail = 0.0f;
+    for (; i < n; i++) tail += a[i] * b[i];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+}
+
 // ---- A whole decode step's layers in one call (executor_svc/cpu_decode_path.py) ----------------
 //
 // The same calls, in the same order on the same buffers, as CpuDecodePath's per-layer loop in
@@ -171,6 +201,10 @@ typedef struct {
     int64_t matmul, attend;  // function pointers
     int64_t residual, hidden_out, normed, qkv, q, attn, gate_up, act, side, xs, scratch, scratch_stride;
     int64_t cos, sin, local_cos, local_sin;
+    // LoRA (lora_groups 0: none): group g's rows lora_rows[lora_start[g] .. lora_start[g + 1]) take the deltas of
+    // lora_tables[g] (its pagoda_lora_layer_t per layer); lora_t: scratch of rows * lora_rank (the largest
+    // rank of a projection) floats; lora_threads: the OpenMP team's threads to split them over (1: this thread)
+    int64_t lora_groups, lora_tables, lora_start, lora_rows, lora_t, lora_rank, lora_threads;
     float eps;
 } pagoda_step_t;
 
@@ -181,6 +215,72 @@ static void linear(const pagoda_step_t *s, const pagoda_linear_t *l, const float
         mm((int)l->type[i], (const void *)(intptr_t)l->weight[i], l->row_bytes[i], l->rows[i], l->in, x, s->rows,
            (float *)(intptr_t)s->xs, y + start, l->out);
         start += l->rows[i];
+    }
+}
+
+// Each LoRA group's delta of projection `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer` into y
+// [rows][ldy] (x [rows][in]), split over `lora_threads` threads of the
+// OpenMP team (torch's, as the GGUF matmuls': cpu_ops is built with -fopenmp where that team is torch's) in
+// one region: the shrinks of every group by rank row, then the expands by chunks of LORA_CHUNK output
+// columns (disjoint writes). Each value is computed the same way whatever the number of threads.
+#define LORA_CHUNK 64
+static inline const pagoda_lora_t *lora_of(const pagoda_step_t *s, int64_t g, int64_t layer, int which) {
+    const pagoda_lora_layer_t *t = (const pagoda_lora_layer_t *)(intptr_t)((const int64_t *)(intptr_t)s->lora_tables)[g] + layer;
+    return which == 0 ? &t->qkv : which == 1 ? &t->o : which == 2 ? &t->gate_up : &t->down;
+}
+
+static void lora_deltas(const pagoda_step_t *s, int64_t layer, int which, const float *x, int64_t in, float *y,
+                        int64_t ldy) {
+    const int64_t G = s->lora_groups, Rmax = s->lora_rank, chunks = (ldy + LORA_CHUNK - 1) / LORA_CHUNK;
+    const int64_t *start = (const int64_t *)(intptr_t)s->lora_start, *rows = (const int64_t *)(intptr_t)s->lora_rows;
+    float *T = (float *)(intptr_t)s->lora_t;  // row (start[g] + i) of group g: its shrink, Rmax floats
+    int64_t work = 0;  // multiply-adds
+    for (int64_t g = 0; g < G; g++) {
+        const pagoda_lora_t *L = lora_of(s, g, layer, which);
+        work += (start[g + 1] - start[g]) * L->rank * (in + ldy / (L->parts > 0 ? L->parts : 1));
+    }
+    if (!work) return;
+    int threads = (int)s->lora_threads;
+    if (work < 16384) threads = 1;
+    (void)threads;  // (without OpenMP: this thread)
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < G * Rmax; item++) {
+            const int64_t g = item / Rmax, j = item % Rmax;
+            const pagoda_lora_t *L = lora_of(s, g, layer, which);
+            if (j >= L->rank) continue;
+            const float *aj = (const float *)(intptr_t)L->a + j * in;
+            for (int64_t i = start[g]; i < start[g + 1]; i++) T[i * Rmax + j] = dot_f32(aj, x + rows[i] * in, in);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < G * chunks; item++) {
+            const int64_t g = item / chunks, lo = (item % chunks) * LORA_CHUNK;
+            const int64_t hi = lo + LORA_CHUNK < ldy ? lo + LORA_CHUNK : ldy;
+            const pagoda_lora_t *L = lora_of(s, g, layer, which);
+            for (int64_t p = 0; p < (L->rank ? L->parts : 0); p++) {
+                const int64_t c0 = L->first_col[p], cols = L->cols[p], r = L->part_rank[p];
+                const int64_t a = lo > c0 ? lo : c0, b = hi < c0 + cols ? hi : c0 + cols;
+                if (a >= b) continue;
+                const float *bt = (const float *)(intptr_t)L->bt[p] + (a - c0);
+                for (int64_t i = start[g]; i < start[g + 1]; i++) {
+                    const float *ti = T + i * Rmax + L->first_rank[p];
+                    float acc[LORA_CHUNK] = {0};
+                    for (int64_t k = 0; k < r; k++) {
+                        const float sk = ti[k], *bk = bt + k * cols;
+                        for (int64_t c = 0; c < b - a; c++) acc[c] += sk * bk[c];
+                    }
+                    float *yr = y + rows[i] * ldy + a;
+                    for (int64_t c = 0; c < b - a; c++) yr[c] += acc[c];
+                }
+            }
+        }
     }
 }
 
@@ -206,6 +306,7 @@ void pagoda_decode_layers(const pagoda_layer_t *layers, int64_t num_layers, cons
         else
             pagoda_add_rms_norm(H, hid, R, hid, norms[0], N, R, rows, hid, eps);
         linear(s, &L->qkv, N, QKV);
+        if (s->lora_groups) lora_deltas(s, i, 0, N, hid, QKV, qkv_width);
         if (L->q_norm) {
             pagoda_rms_norm_heads(QKV, qkv_width, heads, hd, (const float *)(intptr_t)L->q_norm, rows, eps);
             pagoda_rms_norm_heads(K, qkv_width, kv_heads, hd, (const float *)(intptr_t)L->k_norm, rows, eps);
@@ -223,6 +324,7 @@ void pagoda_decode_layers(const pagoda_layer_t *layers, int64_t num_layers, cons
                (float *)(intptr_t)s->scratch, s->scratch_stride, heads, kv_heads, hd, s->block_size, L->scale, g[4],
                s->threads, s->kv_bf16, L->window);
         linear(s, &L->o, A, H);
+        if (s->lora_groups) lora_deltas(s, i, 1, A, q_size, H, hid);
         if (s->sandwich) {  // x = x + post_attention_norm(h); the MLP reads pre_feedforward_norm(x)
             pagoda_rms_norm(H, hid, norms[1], SIDE, rows, hid, eps);
             pagoda_add_rms_norm(SIDE, hid, R, hid, norms[2], N, R, rows, hid, eps);
@@ -230,15 +332,18 @@ void pagoda_decode_layers(const pagoda_layer_t *layers, int64_t num_layers, cons
             pagoda_add_rms_norm(H, hid, R, hid, norms[1], N, R, rows, hid, eps);
         }
         linear(s, &L->gate_up, N, GU);
+        if (s->lora_groups) lora_deltas(s, i, 2, N, hid, GU, 2 * s->inter);
         if (L->gelu)
             pagoda_gelu_tanh_and_mul(GU, rows, s->inter, ACT);
         else
             pagoda_silu_and_mul(GU, rows, s->inter, ACT);
         if (s->sandwich) {  // the layer's hidden output: post_feedforward_norm(mlp)
             linear(s, &L->down, ACT, SIDE);
+            if (s->lora_groups) lora_deltas(s, i, 3, ACT, s->inter, SIDE, hid);
             pagoda_rms_norm(SIDE, hid, norms[3], H, rows, hid, eps);
         } else {
             linear(s, &L->down, ACT, H);
+            if (s->lora_groups) lora_deltas(s, i, 3, ACT, s->inter, H, hid);
         }
     }
 }

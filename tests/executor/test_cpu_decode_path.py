@@ -145,3 +145,86 @@ def test_bfloat16_decode_steps_stay_close_to_its_modules(above_fused_rows):
     run_to_completion(runner, builder)
     print(f"bf16 decode path vs its modules: relative error of the last layer's output, max {max(errors):.4f}")
     assert errors and max(errors) < 0.05, errors
+
+
+def write_random_adapter(folder, config, targets: dict[str, int], seed: int, **options):
+    """A random PEFT folder for the runner's model: `targets` module name -> rank (B not zero)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    c = config
+    shapes = {"q_proj": (c.hidden_size, c.q_size), "k_proj": (c.hidden_size, c.kv_size),
+              "v_proj": (c.hidden_size, c.kv_size), "o_proj": (c.q_size, c.hidden_size),
+              "gate_proj": (c.hidden_size, c.intermediate_size), "up_proj": (c.hidden_size, c.intermediate_size),
+              "down_proj": (c.intermediate_size, c.hidden_size)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(c.num_layers):
+        for name, rank in targets.items():
+            fan_in, fan_out = shapes[name]
+            owner = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{owner}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * fan_in**-0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.05
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config_json = {"peft_type": "LORA", "r": max(targets.values()), "lora_alpha": 16, "target_modules": list(targets),
+                   "bias": "none", "rank_pattern": {k: v for k, v in targets.items()}, **options}
+    (folder / "adapter_config.json").write_text(json.dumps(config_json))
+    return folder
+
+
+def test_decode_steps_with_adapter_rows_equal_the_modules(runner, monkeypatch, tmp_path):
+    """Rows of LoRA adapters (two adapters beside base rows, one on every projection, one on some slices of
+    the merged q/k/v and gate/up only, rsLoRA) take the one-call C step, their deltas added after each
+    projection (csrc/cpu_ops.c's `lora_deltas`): the modules' hidden states within float32 summation order."""
+    from transformers import AutoTokenizer
+
+    path = runner.backend.decode_step
+    if path._one_call is None:
+        pytest.skip("no one-call C decode step here")
+    runner.enable_lora(64)  # (the module's runner: its projections wrapped, the adapters unloaded at the end)
+    every = {name: 8 for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+    runner.add_lora("a", write_random_adapter(tmp_path / "a", runner.config, every, seed=1))
+    runner.add_lora("b", write_random_adapter(tmp_path / "b", runner.config, {"k_proj": 4, "v_proj": 6, "up_proj": 4},
+                                              seed=2, use_rslora=True))
+    tok = AutoTokenizer.from_pretrained(str(runner.model_dir))
+    texts = ["The capital of France is", "def add(a, b):\n", "Once upon a time, in a small village, there lived",
+             "The capital of France is"]
+    prompts = {f"p{i}": tok(t)["input_ids"] for i, t in enumerate(texts)}
+    adapters = {"p0": "a", "p1": "", "p2": "b", "p3": "a"}
+    with_adapters: list[int] = []  # rows of each step with adapter rows the path took
+    errors: list[float] = []
+
+    def both(model_, input_ids, positions, kv_caches, meta):
+        fast = path.forward(input_ids, positions, kv_caches, meta)
+        slow = runner.model(input_ids, positions, kv_caches, meta, runner.attention)
+        if fast is not None:
+            if runner.loras.state.active:
+                with_adapters.append(input_ids.shape[0])
+            for got, want in zip(fast, slow, strict=True):
+                errors.append(((got - want).norm() / want.norm()).item())
+        return slow
+
+    monkeypatch.setattr(runner.backend, "forward", both)
+    builder = PlanBuilder(block_size=16, num_blocks=256)
+    mixed_workload(builder, prompts, max_tokens=8)
+    next_plan = builder.next_plan
+
+    def with_lora():
+        plan = next_plan()
+        for new in plan.new_requests:
+            new.lora = adapters[new.req_id]
+        return plan
+
+    builder.next_plan = with_lora
+    try:
+        outputs = run_to_completion(runner, builder)
+    finally:
+        runner.remove_lora("a")
+        runner.remove_lora("b")
+    assert with_adapters and max(with_adapters) >= 3, with_adapters
+    print(f"adapter rows through the C step: relative error to the modules, max {max(errors):.2e}")
+    assert max(errors) < 1e-5, max(errors)
+    assert outputs["p0"] == outputs["p3"] and outputs["p0"] != outputs["p1"]  # the adapter's, same prompt, same tokens
