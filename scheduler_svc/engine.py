@@ -281,17 +281,34 @@ class Engine:
 
         A request no executor could ever hold waits for one that can (or times out in the
         monitor) without holding up the rest; the first that merely has to wait for room
-        stops the binding: no overtaking.
+        stops the binding: no overtaking, except past a tenant that holds its share of every
+        executor's running slots while another tenant waits (`Scheduler.holds_back`): its
+        requests wait, the others' go on. Then every executor learns which tenants still wait
+        here (`Scheduler.set_waiting_elsewhere`), to make them room in its next step.
         """
-        for entry in self.queue.in_order():
-            if not self.pool.can_ever_fit(entry.requests[0].num_tokens + 1):
-                continue
-            handle = self.pool.choose(entry.requests)
-            if handle is None:
-                return
-            self.queue.take(entry)
-            handle.scheduler.add_requests(entry.requests)
-            handle.wakeup.set()
+        held_back: dict[str, bool] = {}
+        try:
+            for entry in self.queue.in_order():
+                if not self.pool.can_ever_fit(entry.requests[0].num_tokens + 1):
+                    continue
+                if entry.tenant in held_back and held_back[entry.tenant]:
+                    continue
+                handle = self.pool.choose(entry.requests)
+                if handle is None:
+                    if entry.tenant not in held_back:
+                        held_back[entry.tenant] = all(h.scheduler.holds_back(entry.tenant) for h in self.pool.alive)
+                    if held_back[entry.tenant]:
+                        continue
+                    return
+                self.queue.take(entry)
+                handle.scheduler.add_requests(entry.requests)
+                handle.wakeup.set()
+        finally:
+            heads = self.queue.heads()
+            for handle in self.pool.alive:
+                handle.scheduler.set_waiting_elsewhere(heads)
+                if heads:
+                    handle.wakeup.set()
 
     def _on_joined(self, handle: ExecutorHandle) -> None:
         was_serving = len(self.pool.alive) > 1
