@@ -13,8 +13,13 @@ naming `constraint.<kind>` and xgrammar's reason. Compiling runs in a child proc
 * cached by content (`Constraint.key`, LRU of `cache_entries` verdicts, refusals included),
   and concurrent checks of one constraint share one compile.
 
-At most `num_processes` compiles run at once; checks beyond `max_pending` waiting get
-RESOURCE_EXHAUSTED. The child and its parent exchange JSON over a pipe (nothing pickled).
+At most `num_processes` compiles run at once, shared fairly across tenants: each tenant's
+compiles wait in its own queue, the queues take turns (round robin), and a tenant runs at
+most `num_processes - 1` compiles at once (at least one), so a tenant's first constraint never
+waits behind another tenant's queued ones, nor, with two processes or more, behind its running
+ones. A tenant with `max_pending_per_tenant` compiles queued or running, or a checker with
+`max_pending`, gets RESOURCE_EXHAUSTED. The child and its parent exchange JSON over a pipe
+(nothing pickled).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import resource
 import signal
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,8 +50,9 @@ COMPILE_TIMEOUT_S = 10.0
 COMPILE_MEMORY_BYTES = 2 << 30
 CACHE_ENTRIES = 4096
 CHILD_CACHE_BYTES = 64 << 20  # xgrammar's own cache in the child, within its memory cap
-NUM_PROCESSES = 1
+NUM_PROCESSES = 2  # one tenant's slow compile never holds up another tenant's
 MAX_PENDING = 256
+MAX_PENDING_PER_TENANT = 8
 START_TIMEOUT_S = 120.0
 
 
@@ -61,6 +67,7 @@ class ConstraintChecker:
         num_processes: int = NUM_PROCESSES,
         cache_entries: int = CACHE_ENTRIES,
         max_pending: int = MAX_PENDING,
+        max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
     ) -> None:
         self.timeout_s = timeout_s
         self._verdicts: OrderedDict[str, str | None] = OrderedDict()  # key -> None (compiles) or why not
@@ -72,8 +79,18 @@ class ConstraintChecker:
         self._free_lock = threading.Lock()
         self._threads = ThreadPoolExecutor(num_processes, thread_name_prefix="constraint-check")
         self.num_compiles = 0  # constraints sent to a compile process (cache misses)
+        self._max_pending_per_tenant = max_pending_per_tenant
+        self._max_running_per_tenant = max(1, num_processes - 1)
+        self._queues: dict[str, deque[tuple[Constraint, asyncio.Future]]] = {}  # tenant -> its compiles waiting
+        self._pending_of: Counter[str] = Counter()  # tenant -> its compiles queued or running
+        self._running_of: Counter[str] = Counter()
+        self._num_running = 0
+        self._turns = 0
+        self._last_turn: dict[str, int] = {}  # tenant with compiles queued or running -> its last turn
+        self.compile_order: deque[tuple[str, str]] = deque(maxlen=64)  # (tenant, key) as compiles started
 
-    async def check(self, constraint: Constraint) -> None:
+    async def check(self, constraint: Constraint, tenant: str = "") -> None:
+        """Returns when `constraint` compiles, else raises InvalidArgument naming it; `tenant` takes its turn."""
         key = constraint.key
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
@@ -83,19 +100,60 @@ class ConstraintChecker:
             if future is None:
                 if len(self._in_flight) >= self._max_pending:
                     raise ResourceExhausted(f"{len(self._in_flight)} constraints are being compiled; retry later")
-                future = self._in_flight[key] = asyncio.ensure_future(self._compile(constraint))
-                future.add_done_callback(lambda _: self._in_flight.pop(key, None))
+                if self._pending_of[tenant] >= self._max_pending_per_tenant:
+                    raise ResourceExhausted(
+                        f"this tenant has {self._pending_of[tenant]} constraints being compiled, its share; "
+                        "retry when one is done"
+                    )
+                future = self._in_flight[key] = asyncio.get_running_loop().create_future()
+                self._pending_of[tenant] += 1
+                self._queues.setdefault(tenant, deque()).append((constraint, future))
+                self._pump()
             verdict = await asyncio.shield(future)
         if verdict is not None:
             raise InvalidArgument(constraint.field, verdict)
 
-    async def _compile(self, constraint: Constraint) -> str | None:
-        self.num_compiles += 1
-        verdict = await asyncio.get_running_loop().run_in_executor(self._threads, self._compile_blocking, constraint)
-        self._verdicts[constraint.key] = verdict
-        while len(self._verdicts) > self._cache_entries:
-            self._verdicts.popitem(last=False)
-        return verdict
+    def _pump(self) -> None:
+        """Start queued compiles while a process is free: tenants in turn, each within its running cap."""
+        while self._num_running < len(self._processes):
+            ready = [t for t, q in self._queues.items() if q and self._running_of[t] < self._max_running_per_tenant]
+            if not ready:
+                return
+            tenant = min(ready, key=lambda t: self._last_turn.get(t, -1))  # the longest since its last turn
+            self._turns += 1
+            self._last_turn[tenant] = self._turns
+            queue = self._queues[tenant]
+            constraint, future = queue.popleft()
+            if not queue:
+                del self._queues[tenant]
+            self._num_running += 1
+            self._running_of[tenant] += 1
+            self.num_compiles += 1
+            self.compile_order.append((tenant, constraint.key))
+            done = asyncio.get_running_loop().run_in_executor(self._threads, self._compile_blocking, constraint)
+            done.add_done_callback(lambda d, t=tenant, c=constraint, f=future: self._compiled(t, c, f, d))
+
+    def _compiled(self, tenant: str, constraint: Constraint, future: asyncio.Future, done: asyncio.Future) -> None:
+        self._num_running -= 1
+        for counter in (self._running_of, self._pending_of):
+            counter[tenant] -= 1
+            if counter[tenant] <= 0:
+                del counter[tenant]
+        if tenant not in self._pending_of:
+            self._last_turn.pop(tenant, None)  # bounded state: only tenants with compiles
+        self._in_flight.pop(constraint.key, None)
+        if done.cancelled() or done.exception() is not None:
+            exc = done.exception() if not done.cancelled() else Unavailable("the constraint check was cancelled; retry")
+            if not future.done():
+                future.set_exception(exc)
+        else:
+            verdict = done.result()
+            self._verdicts[constraint.key] = verdict
+            while len(self._verdicts) > self._cache_entries:
+                self._verdicts.popitem(last=False)
+            if not future.done():
+                future.set_result(verdict)
+        self._pump()
 
     def _compile_blocking(self, constraint: Constraint) -> str | None:
         with self._free_lock:

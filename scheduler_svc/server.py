@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.auth import ApiKey, ApiKeyInterceptor
+from scheduler_svc.auth import ApiKey, ApiKeyInterceptor, current_tenant
 from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.constraint_check import ConstraintChecker
 from scheduler_svc.engine import Engine
@@ -65,7 +65,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if lora:
             params = dataclasses.replace(params, lora=lora)
         if params.sampling.constraint is not None:
-            await self.constraints.check(params.sampling.constraint)
+            await self.constraints.check(params.sampling.constraint, current_tenant())  # its turn among tenants
         return params, self.engine.submit(params)  # under the caller's tenant (its cache salt too)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):

@@ -13,7 +13,7 @@ from pagoda.step import NewRequestData, SamplingParams, StepPlan
 from pagoda.v1 import executor_pb2
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.constraint_check import ConstraintChecker
-from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.errors import InvalidArgument, ResourceExhausted
 from scheduler_svc.tokenizer import ModelSpec
 from scheduler_svc.validation import check_fields
 
@@ -149,3 +149,56 @@ def test_the_client_sends_at_most_one_constraint():
     assert not build_request("hi", None, GenerateParams(), "r").HasField("constraint")
     with pytest.raises(ValueError, match="at most one constraint, got choice, regex"):
         build_request("hi", None, GenerateParams(regex="a", choice=["a"]), "r")
+
+
+def _slow_schema(tag: str, fields: int = 2000) -> Constraint:
+    """Over the 1 s limit here (see the test above); `tag` makes each one a distinct compile."""
+    return Constraint.json_schema(
+        {"type": "object", "properties": {f"{tag}{i}": {"type": "string", "pattern": "[a-z]{3,9}"} for i in range(fields)}}
+    )
+
+
+def test_the_compile_queue_takes_tenants_in_turn_with_a_cap_per_tenant():
+    """issue 43: a tenant's queued compiles never delay another tenant's first one, and a tenant's
+    queue is capped (RESOURCE_EXHAUSTED), whatever order they came in."""
+    checker = ConstraintChecker(
+        model_files.resolve_model(None, weights=False), timeout_s=1.0, num_processes=1, max_pending_per_tenant=3
+    )
+    try:
+        hostile = [_slow_schema(f"h{k}_") for k in range(4)]
+        bystander = Constraint.regex(r"[0-9]{3}")
+
+        async def scene():
+            tasks = [asyncio.ensure_future(checker.check(c, "hostile")) for c in hostile[:3]]
+            await asyncio.sleep(0)
+            with pytest.raises(ResourceExhausted, match="this tenant has 3 constraints"):
+                await checker.check(hostile[3], "hostile")
+            await checker.check(bystander, "bystander")
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        results = asyncio.run(scene())
+        assert all(isinstance(r, InvalidArgument) and "within 1 s" in str(r) for r in results), results
+        order = [tenant for tenant, _ in checker.compile_order]
+        assert order == ["hostile", "bystander", "hostile", "hostile"], order  # its turn right after the one running
+    finally:
+        checker.close()
+
+
+def test_with_two_processes_a_tenant_never_waits_behind_another_tenants_running_compile():
+    checker = ConstraintChecker(model_files.resolve_model(None, weights=False), timeout_s=1.0, num_processes=2)
+    try:
+        async def scene():
+            # both processes started (one compile of each of two tenants at once)
+            await asyncio.gather(checker.check(Constraint.regex("[a-c]"), "a"), checker.check(Constraint.regex("[d-f]"), "b"))
+            tasks = [asyncio.ensure_future(checker.check(_slow_schema(f"p{k}_"), "hostile")) for k in range(2)]
+            await asyncio.sleep(0)
+            await checker.check(Constraint.regex(r"[0-9]{4}"), "bystander")
+            hostile_running = [t.done() for t in tasks]
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return hostile_running
+
+        # the hostile tenant held one process (its second compile queued), the bystander had the other
+        assert asyncio.run(scene()) == [False, False]
+        assert [t for t, _ in checker.compile_order][2:4] == ["hostile", "bystander"]
+    finally:
+        checker.close()
