@@ -196,7 +196,8 @@ class SampledToken:
 class RequestError:
     """A failure the executor pins on one request (non-finite logits in its row, a sampler error).
 
-    That request gets no token this step; the rest of the batch goes on. The scheduler ends it.
+    That request gets no token this step; the rest of the batch goes on. The scheduler ends it,
+    except for two messages of structured output (`GRAMMAR_PENDING`, `GRAMMAR_FAILED`).
     """
 
     req_id: str
@@ -210,3 +211,13 @@ class StepResult:
     step_id: int
     sampled: list[SampledToken] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
+
+
+# A constrained request's first sample came before its grammar compiled on the executor (off the
+# step's path): it got no token, the step ran the others. The scheduler takes it out of the
+# executor (as a preemption: nothing is lost) and binds it again a little later.
+GRAMMAR_PENDING = "grammar pending: "
+# Its grammar failed to compile on the executor (over the executor's time or memory bound):
+# "grammar failed: <constraint field>: <why>". The scheduler ends it with INVALID_ARGUMENT naming
+# that field.
+GRAMMAR_FAILED = "grammar failed: "

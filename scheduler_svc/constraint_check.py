@@ -2,7 +2,7 @@
 
 A schema, regex or grammar that does not parse or compile is refused with INVALID_ARGUMENT
 naming `constraint.<kind>` and xgrammar's reason. Compiling runs in a child process
-(`_CompileProcess`, started on first use: it imports xgrammar and builds the tokenizer's
+(`CompileProcess`, started on first use: it imports xgrammar and builds the tokenizer's
 `TokenizerInfo` once, a few seconds), never in the scheduler's own process:
 
 * bounded in time: a compile that takes longer than `timeout_s` is killed with its process
@@ -12,6 +12,8 @@ naming `constraint.<kind>` and xgrammar's reason. Compiling runs in a child proc
   plus `memory_bytes`; a compile that needs more fails there (refused), not in the scheduler;
 * cached by content (`Constraint.key`, LRU of `cache_entries` verdicts, refusals included),
   and concurrent checks of one constraint share one compile.
+
+(The child is `pagoda.grammar_process.CompileProcess`, which the executors use too.)
 
 At most `num_processes` compiles run at once, shared fairly across tenants: each tenant's
 compiles wait in its own queue, the queues take turns (round robin), and a tenant runs at
@@ -25,19 +27,14 @@ ones. A tenant with `max_pending_per_tenant` compiles queued or running, or a ch
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import multiprocessing
-import os
-import resource
-import signal
 import threading
-import time
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagoda.constraint import Constraint
+from pagoda.grammar_process import CompileProcess, CompileUnavailable
 from scheduler_svc.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -49,11 +46,9 @@ COMPILE_TIMEOUT_S = 10.0
 # Above the child's own footprint after start-up (the tokenizer info is ~100 MB).
 COMPILE_MEMORY_BYTES = 2 << 30
 CACHE_ENTRIES = 4096
-CHILD_CACHE_BYTES = 64 << 20  # xgrammar's own cache in the child, within its memory cap
 NUM_PROCESSES = 2  # one tenant's slow compile never holds up another tenant's
 MAX_PENDING = 256
 MAX_PENDING_PER_TENANT = 8
-START_TIMEOUT_S = 120.0
 
 
 class ConstraintChecker:
@@ -74,8 +69,8 @@ class ConstraintChecker:
         self._cache_entries = cache_entries
         self._in_flight: dict[str, asyncio.Future] = {}
         self._max_pending = max_pending
-        self._processes = [_CompileProcess(str(model_dir), memory_bytes) for _ in range(num_processes)]
-        self._free: list[_CompileProcess] = list(self._processes)
+        self._processes = [CompileProcess(str(model_dir), memory_bytes) for _ in range(num_processes)]
+        self._free: list[CompileProcess] = list(self._processes)
         self._free_lock = threading.Lock()
         self._threads = ThreadPoolExecutor(num_processes, thread_name_prefix="constraint-check")
         self.num_compiles = 0  # constraints sent to a compile process (cache misses)
@@ -159,7 +154,9 @@ class ConstraintChecker:
         with self._free_lock:
             process = self._free.pop()
         try:
-            return process.compile(constraint, self.timeout_s)
+            return process.compile(constraint, self.timeout_s)[0]
+        except CompileUnavailable as exc:
+            raise Unavailable(str(exc)) from None
         finally:
             with self._free_lock:
                 self._free.append(process)
@@ -170,115 +167,3 @@ class ConstraintChecker:
             process.stop()
 
 
-class _CompileProcess:
-    """One child that compiles constraints one at a time; killed and replaced when it overruns."""
-
-    def __init__(self, model_dir: str, memory_bytes: int) -> None:
-        self.model_dir = model_dir
-        self.memory_bytes = memory_bytes
-        self._proc: multiprocessing.Process | None = None
-        self._conn = None
-
-    def compile(self, constraint: Constraint, timeout_s: float) -> str | None:
-        """None when `constraint` compiles, else why not. Raises Unavailable if no child can start."""
-        self._ensure_started()
-        request = {"kind": constraint.kind.value, "value": constraint.value, "choices": list(constraint.choices)}
-        started = time.monotonic()
-        try:
-            self._conn.send_bytes(json.dumps(request).encode())
-            if not self._conn.poll(timeout_s):
-                log.warning("compiling %s took over %.1f s: killing the compile process", constraint.field, timeout_s)
-                self.stop()
-                return f"does not compile within {timeout_s:g} s (the limit)"
-            reply = json.loads(self._conn.recv_bytes())
-        except (EOFError, OSError):
-            code = self._proc.exitcode if self._proc is not None else None
-            self.stop()
-            log.warning("the compile process died on %s (exit code %s)", constraint.field, code)
-            return f"compiling it ended the compiler (over its {self.memory_bytes >> 20} MiB memory limit?)"
-        log.debug("checked %s in %.1f ms", constraint.field, (time.monotonic() - started) * 1e3)
-        return reply.get("error")
-
-    def _ensure_started(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            return
-        self.stop()
-        context = multiprocessing.get_context("spawn")  # a fork would copy gRPC's and ZeroMQ's threads mid-flight
-        parent, child = context.Pipe()
-        proc = context.Process(
-            target=_child_main, args=(child, self.model_dir, self.memory_bytes), name="constraint-compile", daemon=True
-        )
-        proc.start()
-        child.close()
-        if not parent.poll(START_TIMEOUT_S):
-            proc.kill()
-            raise Unavailable("the constraint compiler did not start; retry")
-        try:
-            ready = json.loads(parent.recv_bytes())
-        except (EOFError, OSError):
-            proc.join(1)
-            raise Unavailable("the constraint compiler failed to start; retry") from None
-        if "error" in ready:
-            proc.kill()
-            raise Unavailable(f"the constraint compiler failed to start: {ready['error']}")
-        self._proc, self._conn = proc, parent
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(5)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = self._conn = None
-
-
-def _child_main(conn, model_dir: str, memory_bytes: int) -> None:
-    """The child: build the compiler, cap the address space, then compile each request it gets.
-
-    A terminal's Ctrl-C reaches the whole process group, this child too: it ignores SIGINT, and
-    ends when its parent stops it or goes away (its pipe closes), so no KeyboardInterrupt
-    traceback is printed while the scheduler shuts down."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import xgrammar as xgr
-
-        from pagoda.constraint import Constraint, ConstraintKind
-        from pagoda.grammars import compile_constraint, error_message, tokenizer_info
-
-        # One thread: a compile is bounded by one core. The cache stays on, bounded: xgrammar
-        # also caches sub-grammars with it, which makes first compiles faster too (measured:
-        # a 30-field schema with patterns 0.3 s with it, 5.3 s without).
-        compiler = xgr.GrammarCompiler(tokenizer_info(model_dir), max_threads=1, cache_limit_bytes=CHILD_CACHE_BYTES)
-        _cap_address_space(memory_bytes)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which refuses to serve constraints
-        conn.send_bytes(json.dumps({"error": repr(exc)}).encode())
-        return
-    conn.send_bytes(b"{}")
-    while True:
-        try:
-            request = json.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return
-        try:
-            kind = ConstraintKind(request["kind"])
-            constraint = Constraint(kind, request["value"], tuple(request["choices"]))
-            compile_constraint(compiler, constraint)
-            reply = {}
-        except MemoryError:
-            reply = {"error": f"compiling it needs more than {memory_bytes >> 20} MiB (the limit)"}
-        except Exception as exc:  # noqa: BLE001 - xgrammar's errors are the client's answer
-            message = error_message(exc)
-            if "bad_alloc" in message:
-                message = f"compiling it needs more than {memory_bytes >> 20} MiB (the limit)"
-            reply = {"error": f"does not compile: {message}"}
-        conn.send_bytes(json.dumps(reply).encode())
-
-
-def _cap_address_space(memory_bytes: int) -> None:
-    with open("/proc/self/statm") as f:
-        vm_bytes = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = vm_bytes + memory_bytes
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))

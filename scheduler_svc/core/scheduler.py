@@ -322,6 +322,28 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def defer(self, req_id: str) -> bool:
+        """Take a running request out of the executor until it is admitted again (a preemption
+        between steps: nothing is lost; the next plan tells the executor to drop it).
+
+        For a request the executor could not sample yet (its grammar still compiling, GRAMMAR_PENDING).
+        False, changing nothing, unless it is running.
+        """
+        request = self._requests.get(req_id)
+        if request is None or request.status is not _RUNNING or req_id in self._held:
+            return False
+        self.kv_cache_manager.free(request)
+        self._running.remove(request)
+        self._siblings.discard(req_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        bisect.insort(self._waiting, request, key=self._key)
+        if req_id in self._unsent:
+            self._unsent.discard(req_id)
+        else:
+            self._finished_req_ids.append(req_id)
+        return True
+
     def drain(self) -> list[Request]:
         """Remove every unfinished request, reset to resume elsewhere (no blocks, 0 computed).
 
