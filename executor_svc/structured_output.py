@@ -150,6 +150,8 @@ class StructuredOutput:
         """Start compiling `constraint` for `req_id`, whose output so far is `output_token_ids`."""
         if self._threads is None:
             self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+            self._process = CompileProcess(str(self.model_dir), self.memory_bytes)
+            self._process.warm()  # its start-up overlaps this process's tokenizer info
         key = constraint.key
         compiled = self._compiled.get(key)
         if compiled is None or (compiled.done() and compiled.exception() is not None and not isinstance(compiled.exception(), _CompileFailed)):

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import threading
 import time
 
 from pagoda.constraint import Constraint
@@ -45,12 +46,25 @@ class CompileProcess:
         self.max_reply_bytes = max_reply_bytes
         self._proc: multiprocessing.Process | None = None
         self._conn = None
+        self._ready = False  # the child said it is ready (else it is starting, when _proc is set)
+        self._lock = threading.RLock()  # compile, warm and stop may come from different threads
 
     def compile(self, constraint: Constraint, timeout_s: float, serialize: bool = False) -> tuple[str | None, bytes | None]:
         """(None, the serialized grammar or None) when `constraint` compiles, else (why not, None).
 
         Raises CompileUnavailable if no child can start.
         """
+        with self._lock:
+            return self._compile(constraint, timeout_s, serialize)
+
+    def warm(self) -> None:
+        """Start the child now, without waiting for it (its start-up, seconds, overlaps other work)."""
+        with self._lock:
+            if self._proc is None or not self._proc.is_alive():
+                self.stop()
+                self._spawn()
+
+    def _compile(self, constraint: Constraint, timeout_s: float, serialize: bool) -> tuple[str | None, bytes | None]:
         self._ensure_started()
         request = {"kind": constraint.kind.value, "value": constraint.value, "choices": list(constraint.choices), "serialize": serialize}
         started = time.monotonic()
@@ -68,6 +82,7 @@ class CompileProcess:
             code = self._proc.exitcode if self._proc is not None else None
             self.stop()
             log.warning("the compile process died on %s (exit code %s)", constraint.field, code)
+            self.warm()  # the next compile finds a fresh child started
             return f"compiling it ended the compiler (over its {self.memory_bytes >> 20} MiB memory limit?)", None
         log.debug("compiled %s in %.1f ms", constraint.field, (time.monotonic() - started) * 1e3)
         return reply.get("error"), grammar
@@ -75,12 +90,10 @@ class CompileProcess:
     def _overran(self, constraint: Constraint, timeout_s: float) -> tuple[str, None]:
         log.warning("compiling %s took over %.1f s: killing the compile process", constraint.field, timeout_s)
         self.stop()
+        self.warm()  # the next compile finds a fresh child started
         return f"does not compile within {timeout_s:g} s (the limit)", None
 
-    def _ensure_started(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            return
-        self.stop()
+    def _spawn(self) -> None:
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
         proc = context.Process(
@@ -88,26 +101,42 @@ class CompileProcess:
         )
         proc.start()
         child.close()
+        self._proc, self._conn, self._ready = proc, parent, False
+
+    def _ensure_started(self) -> None:
+        if self._proc is None or not self._proc.is_alive():
+            self.stop()
+            self._spawn()
+        if self._ready:
+            return
+        proc, parent = self._proc, self._conn
         if not parent.poll(START_TIMEOUT_S):
-            proc.kill()
+            self.stop()
             raise CompileUnavailable("the constraint compiler did not start; retry")
         try:
             ready = json.loads(parent.recv_bytes())
         except (EOFError, OSError):
             proc.join(1)
+            self.stop()
             raise CompileUnavailable("the constraint compiler failed to start; retry") from None
         if "error" in ready:
-            proc.kill()
+            self.stop()
             raise CompileUnavailable(f"the constraint compiler failed to start: {ready['error']}")
-        self._proc, self._conn = proc, parent
+        self._ready = True
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
 
     def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(5)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = self._conn = None
+        with self._lock:
+            if self._proc is not None:
+                self._proc.kill()
+                self._proc.join(5)
+            if self._conn is not None:
+                self._conn.close()
+            self._proc = self._conn = None
+            self._ready = False
 
 
 def _child_main(conn, model_dir: str, memory_bytes: int) -> None:

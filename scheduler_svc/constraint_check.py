@@ -81,6 +81,7 @@ class ConstraintChecker:
         self._running_of: Counter[str] = Counter()
         self._num_running = 0
         self._turns = 0
+        self._warmed = False
         self._last_turn: dict[str, int] = {}  # tenant with compiles queued or running -> its last turn
         self.compile_order: deque[tuple[str, str]] = deque(maxlen=64)  # (tenant, key) as compiles started
 
@@ -110,6 +111,10 @@ class ConstraintChecker:
 
     def _pump(self) -> None:
         """Start queued compiles while a process is free: tenants in turn, each within its running cap."""
+        if not self._warmed:  # every process starts with the first check: the second tenant's is ready
+            self._warmed = True
+            for process in self._processes[:-1]:  # (the last is the first one taken, started by its compile)
+                process.warm()
         while self._num_running < len(self._processes):
             ready = [t for t, q in self._queues.items() if q and self._running_of[t] < self._max_running_per_tenant]
             if not ready:
