@@ -30,7 +30,9 @@ tenants. A tenant below its share that waits is *needy*; while one is:
 
     0. before step 1, if the free slots (max_num_seqs - running) or free blocks cannot take
        one request of each needy tenant, preempt the newest running request of the tenant
-       furthest over its share, until they can or no tenant is over its share;
+       furthest over its share, until they can or no tenant is over its share; and when
+       step 1 must preempt for blocks, its victim is the newest unscheduled request of the
+       tenant running the most;
     2'. a tenant at or over its share is not admitted (the others are: no stop);
     budget: a prefill chunk of a tenant gets at most budget // tenants tokens of the step
        (summed over its requests; decodes are never cut).
@@ -631,7 +633,10 @@ class Scheduler:
         allocate_slots = self._allocate_slots
         cached_requests, num_scheduled_tokens = plan.cached_requests, plan.num_scheduled_tokens
         drafts: list[int] = []
-        for request in list(self._running):
+        # with fair shares, the tenants running fewest go first (stable: key order within a tenant count),
+        # so blocks run short for the heaviest tenant, whose newest request is then the victim
+        running = list(self._running) if fair is None else sorted(self._running, key=lambda r: fair.running_of[r.tenant])
+        for request in running:
             if budget == 0:
                 break
             req_id = request.req_id
@@ -706,13 +711,34 @@ class Scheduler:
         scheduled in this step yet, or it is `request` itself (then None).
         """
         while True:
-            victim = self._running[-1]
+            victim = None
+            if self._fair is not None:  # (not one scheduled in this step already: request itself at worst)
+                victim = self._fair_victim(request, plan) or next(
+                    r for r in reversed(self._running) if r is request or r.req_id not in plan.num_scheduled_tokens
+                )
+            if victim is None:
+                victim = self._running[-1]
             self._preempt(victim, plan)
+            if self._fair is not None:
+                self._fair.running_of[victim.tenant] -= 1
             if victim is request:
                 return None
             new_block_ids = self._allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
+
+    def _fair_victim(self, request: Request, plan: StepPlan) -> Request | None:
+        """With fair shares: the newest request, not yet scheduled in this step, of the tenant running
+        the most (None: none; the usual victim then)."""
+        fair = self._fair
+        if not fair.running_of:
+            return None
+        heaviest = max(fair.running_of, key=lambda t: fair.running_of[t])
+        scheduled = plan.num_scheduled_tokens
+        for candidate in reversed(self._running):
+            if candidate.tenant == heaviest and (candidate is request or candidate.req_id not in scheduled):
+                return candidate
+        return None
 
     def _allocate(self, request: Request, num_new: int) -> tuple[list[int], ...] | None:
         """`allocate_slots` for a running request where sliding windows are freed: a leader whose

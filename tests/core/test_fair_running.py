@@ -117,3 +117,20 @@ def test_a_tenants_prefill_gets_at_most_its_share_of_the_step_budget():
     assert plan.num_scheduled_tokens == {"long": 32, "b": 32}
     scheduler.update_from_output(plan, executor.execute(plan))
     run_to_completion(scheduler, executor)
+
+
+def test_short_of_blocks_the_victim_is_the_heaviest_tenants_newest_not_the_bystander():
+    """KV pressure preempts the newest request of the tenant furthest over its share, not the
+    newest arrival (the bystander would be preempted again and again)."""
+    scheduler, executor = make(num_blocks=41, budget=64)  # 40 blocks of 4 tokens
+    flooders = [request(f"f{i}", "flooder", prompt=(5, i, 7), arrival_time=float(i)) for i in range(6)]
+    for r in flooders:
+        scheduler.add_requests([r])
+    bystander = request("b", "bystander", prompt=(9, 9, 9), max_tokens=60, arrival_time=100.0)
+    scheduler.add_requests([bystander])
+    for _ in range(60):
+        step(scheduler, executor)
+        if bystander.is_finished:
+            break
+    assert bystander.num_preemptions == 0 and len(bystander.output_token_ids) == 60
+    assert scheduler.num_preemptions > 0  # the flooder's requests paid for the blocks
