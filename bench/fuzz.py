@@ -77,6 +77,25 @@ _FIELDS = {
     "stop_token_ids": (st.lists(_token_id, max_size=8), st.sampled_from([list(range(VOCAB)), list(range(300)), [VOCAB], [_U32]])),
     "top_logprobs": (st.integers(0, 5), st.sampled_from([20, 21, _U32])),
     "priority": (st.integers(-3, 3), st.sampled_from([-(2**31), _I32])),
+    # (kind, value): a constraint, or a tool's grammar as the gateway builds it (tool_choice "required")
+    "constraint": (st.one_of(
+                       st.tuples(st.just("json_schema"), st.sampled_from([
+                           '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}',
+                           '{"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "object", "properties": '
+                           '{"name": {"type": "string", "enum": ["get_weather"]}, "parameters": {"type": "object", "properties": '
+                           '{"city": {"type": "string"}}}}, "required": ["name", "parameters"], "additionalProperties": false}]}}',
+                           '{"type": "integer", "minimum": 0, "maximum": 99}'])),
+                       st.tuples(st.just("regex"), st.sampled_from([r"[0-9]{1,3}", r"(yes|no)", r"[a-z]+@[a-z]+\.com"])),
+                       st.tuples(st.just("choice"), st.lists(st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=6), min_size=1, max_size=4)),
+                       st.tuples(st.just("json_object"), st.just(True)),
+                       st.tuples(st.just("grammar"), st.just('root ::= "a" | "b"'))),
+                   st.one_of(
+                       st.tuples(st.just("json_schema"), st.one_of(_text, st.sampled_from(['{"type": "foo"}', "{", "[]", '{"$ref": "#/x"}']))),
+                       st.tuples(st.just("regex"), st.sampled_from(["(", "[z-a]", "a{5,2}", "\\"])),
+                       st.tuples(st.just("choice"), st.sampled_from([[], [""], ["x" * 10_000], [str(i) for i in range(2000)]])),
+                       st.tuples(st.just("grammar"), st.one_of(_text, st.just('rule ::= "a"'))),
+                       st.tuples(st.just("structural_tag"), st.one_of(_text, st.just('{"type": "nope"}'))),
+                       st.tuples(st.just("json_object"), st.just(False)))),
 }
 _SAMPLING = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "seed", "n", "beam_width")
 
@@ -142,6 +161,14 @@ def generate_requests(draw) -> pb.GenerateRequest:
         req.response.skip_special_tokens = skip
     if (priority := value("priority")) is not None:
         req.priority = priority
+    if (constraint := value("constraint")) is not None and (draw(st.integers(0, 3)) == 0 or "constraint" in bad):
+        kind, body = constraint
+        if kind == "choice":
+            req.constraint.choice.choices.extend(body)
+        elif kind == "json_object":
+            req.constraint.json_object = body
+        else:
+            setattr(req.constraint, kind, body)
     return req
 
 

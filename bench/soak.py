@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import random
 import signal
@@ -50,7 +51,18 @@ EXPECTED = {
     "deadline": {"OK", "DEADLINE_EXCEEDED"},
     "abort": {"OK"},
     "bad": {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"},  # the latter: over --max-request-bytes
+    # structured output: a small schema, a tool call's grammar (tool_choice "required"), a regex or a
+    # choice; or a bad or hostile one (eight strings of large maxLength: over the compile bound)
+    "constrained": {"OK"},
+    # (OK: the hostile schema compiled within the bounds, the scheduler's 10 s and the executor's 30 s)
+    "bad_constraint": {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"},
 }
+
+_TOOL_SCHEMA = (
+    '{"type": "array", "minItems": 1, "items": {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", '
+    '"enum": ["get_weather"]}, "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": '
+    '["city"]}}, "required": ["name", "parameters"], "additionalProperties": false}]}}'
+)
 
 
 def make_request(kind: str, rng: random.Random, request_id: str) -> pb.GenerateRequest:
@@ -78,6 +90,24 @@ def make_request(kind: str, rng: random.Random, request_id: str) -> pb.GenerateR
         else:
             req.ClearField("token_ids")
             req.text = "a" * 5_000_000 if rng.random() < 0.1 else ""
+    elif kind in ("constrained", "bad_constraint"):
+        req.sampling.temperature = 0.0
+        req.stopping.ignore_eos = False  # refused with a constraint
+        choice = rng.randrange(4)
+        if kind == "bad_constraint":
+            if choice == 0:
+                props = {f"s{rng.randrange(10**6)}_{i}": {"type": "string", "maxLength": 100_000} for i in range(8)}
+                req.constraint.json_schema = json.dumps({"type": "object", "properties": props, "required": list(props)})
+            else:
+                req.constraint.regex = ["(", "(ab", "a|("][choice - 1]  # unclosed: never compiles
+        elif choice == 0:
+            req.constraint.json_schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
+        elif choice == 1:
+            req.constraint.json_schema = _TOOL_SCHEMA
+        elif choice == 2:
+            req.constraint.regex = r"[0-9]{1,4}"
+        else:
+            req.constraint.choice.choices.extend(["yes", "no", "maybe"])
     return req
 
 
@@ -155,7 +185,7 @@ def _soak(svc, minutes: float, clients: int, sample_every: float, seed: int) -> 
     def client(index: int) -> None:
         rng = random.Random(seed * 1000 + index)
         kinds = list(EXPECTED)
-        weights = [4, 2, 1, 1, 1, 1, 1, 1]
+        weights = [4, 2, 1, 1, 1, 1, 1, 1, 1, 1]
         i = 0
         while not stop.is_set():
             kind = rng.choices(kinds, weights)[0]

@@ -48,6 +48,8 @@ from executor_svc.spec_decode import verify
 from executor_svc.structured_output import StructuredOutput
 from pagoda.model_files import fingerprint, gguf_source
 from pagoda.step import (
+    GRAMMAR_FAILED,
+    GRAMMAR_PENDING,
     KVCacheGroupSpec,
     NewRequestData,
     RequestError,
@@ -551,10 +553,19 @@ class ModelRunner:
         self, logits: torch.Tensor, row_req_ids: list[str], errors: list[RequestError]
     ) -> tuple[torch.Tensor, list[str]]:
         """Drop the rows of requests whose grammar cannot go on (it failed to compile here, say):
-        each fails alone, with a RequestError appended to `errors`."""
+        each fails alone, with a RequestError appended to `errors`. A request whose grammar is
+        still compiling (off the step's path) gets GRAMMAR_PENDING: the step goes on without it,
+        and the scheduler binds it again later (`StructuredOutput`'s docstring)."""
         if not self.structured:
             return logits, row_req_ids
-        failed = {r: m for r in dict.fromkeys(row_req_ids) if (m := self.structured.error_of(r)) is not None}
+        structured, failed = self.structured, {}
+        for r in dict.fromkeys(row_req_ids):
+            if r not in structured:
+                continue
+            if structured.defer and structured.pending(r):
+                failed[r] = f"{GRAMMAR_PENDING}its grammar ({structured.field_of(r)}) is still compiling"
+            elif (m := structured.error_of(r)) is not None:
+                failed[r] = f"{GRAMMAR_FAILED}{structured.field_of(r)}: {m}" if "failed to compile" in m else m
         if not failed:
             return logits, row_req_ids
         errors += [RequestError(r, m) for r, m in failed.items()]

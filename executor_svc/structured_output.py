@@ -13,11 +13,17 @@ tokens are back (async scheduling off: 0.87x the output tokens/s of the W48 load
 
 A matcher is a function of (constraint, output tokens): a request the executor receives
 in full (new, resumed after preemption, or moved here from a dead executor) gets a
-matcher that first accepts the output tokens it already has. Grammars compile in a
-background thread as soon as the request arrives (xgrammar releases the GIL while it
-compiles), during its prefill; `bitmask` waits for the compile only if it is still
-running when the request first samples. Compiled grammars are cached by content by
-xgrammar's compiler, bounded by `cache_limit_bytes`.
+matcher that first accepts the output tokens it already has.
+
+Compiling never stalls a step. Grammars compile as soon as the request arrives, off the
+step's path, in a child process bounded in time (`timeout_s`) and memory (`memory_bytes`,
+`pagoda.grammar_process`), which sends the compiled grammar back serialized; a background
+thread deserializes it. A request that reaches its first sample before then (`pending`)
+gets no token: the model runner pins `GRAMMAR_PENDING` on it, the step runs the others,
+and the scheduler takes it out and binds it again a little later (`defer=False`: the step
+waits instead, for tests that drive a runner alone). A compile over a bound fails that
+request alone (`GRAMMAR_FAILED`, naming its constraint field). Compiles are shared by content
+(`compiled_entries` kept), so a request bound again finds its grammar ready.
 
 Speculative decoding: a request with k drafts has k + 1 rows; row j is the mask after
 its drafts d_0..d_{j-1}, so a draft the grammar rejects has probability 0 and is never
@@ -32,34 +38,46 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from pagoda.constraint import Constraint
+from pagoda.grammar_process import CompileProcess, CompileUnavailable
 
 logger = logging.getLogger(__name__)
 
-# xgrammar's compiled-grammar cache (bytes); a JSON schema of a few fields is ~50 KB here.
+# xgrammar's compiled-grammar cache in the compile process (bytes); a schema of a few fields is ~50 KB.
 CACHE_LIMIT_BYTES = 256 << 20
 COMPILE_THREADS = 1
+# The scheduler refused any constraint that did not compile within 10 s in its own check
+# (scheduler_svc/constraint_check.py); the executor allows three times that for a slower host.
+COMPILE_TIMEOUT_S = 30.0
+COMPILE_MEMORY_BYTES = 2 << 30  # above the compile process's footprint after start-up
+COMPILED_ENTRIES = 256  # compiled grammars kept by content (a hostile one: ~3.5 MB)
 
 
 class GrammarError(RuntimeError):
     """A request's grammar failed on the executor (it compiled at the scheduler's check)."""
 
 
+class _CompileFailed(Exception):
+    """The compile process's verdict: `str(exc)` is why (over a bound, or xgrammar's reason)."""
+
+
 class _RequestGrammar:
     """One request's matcher, built once its grammar has compiled; tokens wait until then."""
 
-    __slots__ = ("compiled", "matcher", "pending", "error")
+    __slots__ = ("compiled", "matcher", "pending", "error", "field")
 
-    def __init__(self, compiled: Future, output_token_ids: list[int]) -> None:
+    def __init__(self, compiled: Future, output_token_ids: list[int], field: str = "constraint") -> None:
         self.compiled = compiled
         self.matcher = None
         self.pending = list(output_token_ids)  # accepted before the matcher exists
         self.error: str | None = None
+        self.field = field  # the constraint's field, as the scheduler names it (constraint.<kind>)
 
     def ready(self):
         """The matcher, replaying the tokens so far on first use; raises GrammarError."""
@@ -68,6 +86,8 @@ class _RequestGrammar:
 
             try:
                 self.matcher = xgr.GrammarMatcher(self.compiled.result())
+            except _CompileFailed as exc:
+                self.error = f"its grammar failed to compile on the executor: {exc}"
             except Exception as exc:  # noqa: BLE001 - pinned on this request
                 from pagoda.grammars import error_message
 
@@ -96,14 +116,29 @@ class _RequestGrammar:
 class StructuredOutput:
     """The matchers of the executor's constrained requests."""
 
-    def __init__(self, model_dir: str | Path, cache_limit_bytes: int = CACHE_LIMIT_BYTES) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cache_limit_bytes: int = CACHE_LIMIT_BYTES,
+        timeout_s: float = COMPILE_TIMEOUT_S,
+        memory_bytes: int = COMPILE_MEMORY_BYTES,
+        defer: bool = True,
+        compiled_entries: int = COMPILED_ENTRIES,
+    ) -> None:
         self.model_dir = Path(model_dir)
         self._cache_limit_bytes = cache_limit_bytes
-        self._compiler = None
-        self._compiler_lock = threading.Lock()
+        self.timeout_s = timeout_s
+        self.memory_bytes = memory_bytes
+        self.defer = defer  # a request whose grammar is still compiling: pending (True) or the step waits
+        self._info = None
+        self._info_lock = threading.Lock()
+        self._process: CompileProcess | None = None
         self._threads: ThreadPoolExecutor | None = None
         self._vocab_size = 0
         self._requests: dict[str, _RequestGrammar] = {}
+        self._compiled: OrderedDict[str, Future] = OrderedDict()  # constraint key -> its compile
+        self._compiled_entries = compiled_entries
+        self.num_compiles = 0
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -115,7 +150,25 @@ class StructuredOutput:
         """Start compiling `constraint` for `req_id`, whose output so far is `output_token_ids`."""
         if self._threads is None:
             self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
-        self._requests[req_id] = _RequestGrammar(self._threads.submit(self._compile, constraint), output_token_ids)
+            self._process = CompileProcess(str(self.model_dir), self.memory_bytes)
+            self._process.warm()  # its start-up overlaps this process's tokenizer info
+        key = constraint.key
+        compiled = self._compiled.get(key)
+        if compiled is None or (compiled.done() and compiled.exception() is not None and not isinstance(compiled.exception(), _CompileFailed)):
+            compiled = self._compiled[key] = self._threads.submit(self._compile, constraint)
+            while len(self._compiled) > self._compiled_entries:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(key)
+        self._requests[req_id] = _RequestGrammar(compiled, output_token_ids, constraint.field)
+
+    def pending(self, req_id: str) -> bool:
+        """Whether `req_id` is constrained and its grammar is still compiling (its matcher not built yet)."""
+        grammar = self._requests.get(req_id)
+        return grammar is not None and grammar.matcher is None and grammar.error is None and not grammar.compiled.done()
+
+    def field_of(self, req_id: str) -> str:
+        grammar = self._requests.get(req_id)
+        return grammar.field if grammar is not None else "constraint"
 
     def remove(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -179,22 +232,36 @@ class StructuredOutput:
             matcher.rollback(num_accepted)
 
     def _compile(self, constraint: Constraint):
-        from pagoda.grammars import compile_constraint
+        """In the compile thread: the compile process's grammar, deserialized here; raises _CompileFailed."""
+        import xgrammar as xgr
 
-        return compile_constraint(self._compiler_or_build(), constraint)
+        info = self._tokenizer_info()
+        if self._process is None:
+            self._process = CompileProcess(str(self.model_dir), self.memory_bytes)
+        self.num_compiles += 1
+        try:
+            error, data = self._process.compile(constraint, self.timeout_s, serialize=True)
+        except CompileUnavailable as exc:
+            raise RuntimeError(str(exc)) from None  # not cached: the next request of it tries again
+        if error is not None:
+            raise _CompileFailed(error.removeprefix("does not compile: "))
+        return xgr.CompiledGrammar.deserialize_json(data.decode(), info)
 
-    def _compiler_or_build(self):
-        with self._compiler_lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-
+    def _tokenizer_info(self):
+        with self._info_lock:
+            if self._info is None:
                 from pagoda.grammars import tokenizer_info
 
-                info = tokenizer_info(self.model_dir)
-                self._vocab_size = info.vocab_size
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self._cache_limit_bytes)
-                logger.info("grammar compiler ready for %s (vocabulary %d)", self.model_dir, info.vocab_size)
-            return self._compiler
+                self._info = tokenizer_info(self.model_dir)
+                self._vocab_size = self._info.vocab_size
+                logger.info("grammar tokenizer info ready for %s (vocabulary %d)", self.model_dir, self._vocab_size)
+            return self._info
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._process is not None:
+            self._process.stop()
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -235,7 +235,8 @@ class SampledToken:
 class RequestError:
     """A failure the executor pins on one request (non-finite logits in its row, a sampler error).
 
-    That request gets no token this step; the rest of the batch goes on. The scheduler ends it.
+    That request gets no token this step; the rest of the batch goes on. The scheduler ends it,
+    except for two messages of structured output (`GRAMMAR_PENDING`, `GRAMMAR_FAILED`).
     """
 
     req_id: str
@@ -250,3 +251,13 @@ class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
     pooled: list[PooledOutput] = field(default_factory=list)  # one per pool request that did not fail
+
+
+# A constrained request's first sample came before its grammar compiled on the executor (off the
+# step's path): it got no token, the step ran the others. The scheduler takes it out of the
+# executor (as a preemption: nothing is lost) and binds it again a little later.
+GRAMMAR_PENDING = "grammar pending: "
+# Its grammar failed to compile on the executor (over the executor's time or memory bound):
+# "grammar failed: <constraint field>: <why>". The scheduler ends it with INVALID_ARGUMENT naming
+# that field.
+GRAMMAR_FAILED = "grammar failed: "

@@ -57,6 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "default: half of --max-waiting-requests when the keys name two tenants or more, else no limit)",
     )
     add_flag(
+        p, "--max-running-per-tenant", type=int, default=0,
+        help="running slots of one executor a tenant may hold while another tenant waits (0, the default: "
+        "--max-num-seqs divided by the tenants with work); over it, its new requests wait and its newest "
+        "running ones are preempted (nothing lost) to make room",
+    )
+    add_flag(
         p, "--max-concurrent-streams", type=int, default=DEFAULT_MAX_CONCURRENT_STREAMS,
         help="streams one client connection may have open at once (gRPC's grpc.max_concurrent_streams; "
         "further calls wait in the client)",
@@ -139,6 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("executor_timeout", "step_timeout"):
         if not getattr(args, flag) > 0:
             _refuse(p, f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.max_running_per_tenant < 0:
+        _refuse(p, f"--max-running-per-tenant must not be negative (0 = a share of --max-num-seqs), got {args.max_running_per_tenant}")
     if args.max_requests_per_tenant is not None and args.max_requests_per_tenant < 0:
         _refuse(p, f"--max-requests-per-tenant must not be negative (0 = no limit), got {args.max_requests_per_tenant}")
     if args.no_executor_wait < 0 or args.shutdown_grace < 0:
@@ -309,6 +317,7 @@ async def serve(args: argparse.Namespace, link_keys, api_keys, credentials) -> N
         max_model_len=max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         max_waiting_requests=args.max_waiting_requests,
+        max_running_per_tenant=args.max_running_per_tenant,
         max_requests_per_tenant=requests_per_tenant(args.max_requests_per_tenant, api_keys, args.max_waiting_requests),
         executor_timeout_s=args.executor_timeout,
         no_executor_wait_s=args.no_executor_wait,

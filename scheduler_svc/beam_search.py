@@ -127,6 +127,7 @@ class BeamSearch:
     params: BeamSearchParams
     priority: int = 0
     cache_salt: str = ""
+    tenant: str = ""  # who sent it: every beam counts against its tenant's share of running slots
     lora: str = ""  # the LoRA adapter every beam runs with
     arrival_time: float = 0.0
     generation: int = field(default=0, init=False)
@@ -171,6 +172,7 @@ class BeamSearch:
             arrival_time=self.arrival_time,
             is_beam=True,
             cache_salt=self.cache_salt,
+            tenant=self.tenant,
             lora=self.lora,
         )
 

@@ -2,7 +2,7 @@
 
 A schema, regex or grammar that does not parse or compile is refused with INVALID_ARGUMENT
 naming `constraint.<kind>` and xgrammar's reason. Compiling runs in a child process
-(`_CompileProcess`, started on first use: it imports xgrammar and builds the tokenizer's
+(`CompileProcess`, started on first use: it imports xgrammar and builds the tokenizer's
 `TokenizerInfo` once, a few seconds), never in the scheduler's own process:
 
 * bounded in time: a compile that takes longer than `timeout_s` is killed with its process
@@ -13,26 +13,28 @@ naming `constraint.<kind>` and xgrammar's reason. Compiling runs in a child proc
 * cached by content (`Constraint.key`, LRU of `cache_entries` verdicts, refusals included),
   and concurrent checks of one constraint share one compile.
 
-At most `num_processes` compiles run at once; checks beyond `max_pending` waiting get
-RESOURCE_EXHAUSTED. The child and its parent exchange JSON over a pipe (nothing pickled).
+(The child is `pagoda.grammar_process.CompileProcess`, which the executors use too.)
+
+At most `num_processes` compiles run at once, shared fairly across tenants: each tenant's
+compiles wait in its own queue, the queues take turns (round robin), and a tenant runs at
+most `num_processes - 1` compiles at once (at least one), so a tenant's first constraint never
+waits behind another tenant's queued ones, nor, with two processes or more, behind its running
+ones. A tenant with `max_pending_per_tenant` compiles queued or running, or a checker with
+`max_pending`, gets RESOURCE_EXHAUSTED. The child and its parent exchange JSON over a pipe
+(nothing pickled).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import multiprocessing
-import os
-import resource
-import signal
 import threading
-import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagoda.constraint import Constraint
+from pagoda.grammar_process import CompileProcess, CompileUnavailable
 from scheduler_svc.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -44,10 +46,9 @@ COMPILE_TIMEOUT_S = 10.0
 # Above the child's own footprint after start-up (the tokenizer info is ~100 MB).
 COMPILE_MEMORY_BYTES = 2 << 30
 CACHE_ENTRIES = 4096
-CHILD_CACHE_BYTES = 64 << 20  # xgrammar's own cache in the child, within its memory cap
-NUM_PROCESSES = 1
+NUM_PROCESSES = 2  # one tenant's slow compile never holds up another tenant's
 MAX_PENDING = 256
-START_TIMEOUT_S = 120.0
+MAX_PENDING_PER_TENANT = 8
 
 
 class ConstraintChecker:
@@ -61,19 +62,31 @@ class ConstraintChecker:
         num_processes: int = NUM_PROCESSES,
         cache_entries: int = CACHE_ENTRIES,
         max_pending: int = MAX_PENDING,
+        max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
     ) -> None:
         self.timeout_s = timeout_s
         self._verdicts: OrderedDict[str, str | None] = OrderedDict()  # key -> None (compiles) or why not
         self._cache_entries = cache_entries
         self._in_flight: dict[str, asyncio.Future] = {}
         self._max_pending = max_pending
-        self._processes = [_CompileProcess(str(model_dir), memory_bytes) for _ in range(num_processes)]
-        self._free: list[_CompileProcess] = list(self._processes)
+        self._processes = [CompileProcess(str(model_dir), memory_bytes) for _ in range(num_processes)]
+        self._free: list[CompileProcess] = list(self._processes)
         self._free_lock = threading.Lock()
         self._threads = ThreadPoolExecutor(num_processes, thread_name_prefix="constraint-check")
         self.num_compiles = 0  # constraints sent to a compile process (cache misses)
+        self._max_pending_per_tenant = max_pending_per_tenant
+        self._max_running_per_tenant = max(1, num_processes - 1)
+        self._queues: dict[str, deque[tuple[Constraint, asyncio.Future]]] = {}  # tenant -> its compiles waiting
+        self._pending_of: Counter[str] = Counter()  # tenant -> its compiles queued or running
+        self._running_of: Counter[str] = Counter()
+        self._num_running = 0
+        self._turns = 0
+        self._warmed = False
+        self._last_turn: dict[str, int] = {}  # tenant with compiles queued or running -> its last turn
+        self.compile_order: deque[tuple[str, str]] = deque(maxlen=64)  # (tenant, key) as compiles started
 
-    async def check(self, constraint: Constraint) -> None:
+    async def check(self, constraint: Constraint, tenant: str = "") -> None:
+        """Returns when `constraint` compiles, else raises InvalidArgument naming it; `tenant` takes its turn."""
         key = constraint.key
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
@@ -83,25 +96,72 @@ class ConstraintChecker:
             if future is None:
                 if len(self._in_flight) >= self._max_pending:
                     raise ResourceExhausted(f"{len(self._in_flight)} constraints are being compiled; retry later")
-                future = self._in_flight[key] = asyncio.ensure_future(self._compile(constraint))
-                future.add_done_callback(lambda _: self._in_flight.pop(key, None))
+                if self._pending_of[tenant] >= self._max_pending_per_tenant:
+                    raise ResourceExhausted(
+                        f"this tenant has {self._pending_of[tenant]} constraints being compiled, its share; "
+                        "retry when one is done"
+                    )
+                future = self._in_flight[key] = asyncio.get_running_loop().create_future()
+                self._pending_of[tenant] += 1
+                self._queues.setdefault(tenant, deque()).append((constraint, future))
+                self._pump()
             verdict = await asyncio.shield(future)
         if verdict is not None:
             raise InvalidArgument(constraint.field, verdict)
 
-    async def _compile(self, constraint: Constraint) -> str | None:
-        self.num_compiles += 1
-        verdict = await asyncio.get_running_loop().run_in_executor(self._threads, self._compile_blocking, constraint)
-        self._verdicts[constraint.key] = verdict
-        while len(self._verdicts) > self._cache_entries:
-            self._verdicts.popitem(last=False)
-        return verdict
+    def _pump(self) -> None:
+        """Start queued compiles while a process is free: tenants in turn, each within its running cap."""
+        if not self._warmed:  # every process starts with the first check: the second tenant's is ready
+            self._warmed = True
+            for process in self._processes[:-1]:  # (the last is the first one taken, started by its compile)
+                process.warm()
+        while self._num_running < len(self._processes):
+            ready = [t for t, q in self._queues.items() if q and self._running_of[t] < self._max_running_per_tenant]
+            if not ready:
+                return
+            tenant = min(ready, key=lambda t: self._last_turn.get(t, -1))  # the longest since its last turn
+            self._turns += 1
+            self._last_turn[tenant] = self._turns
+            queue = self._queues[tenant]
+            constraint, future = queue.popleft()
+            if not queue:
+                del self._queues[tenant]
+            self._num_running += 1
+            self._running_of[tenant] += 1
+            self.num_compiles += 1
+            self.compile_order.append((tenant, constraint.key))
+            done = asyncio.get_running_loop().run_in_executor(self._threads, self._compile_blocking, constraint)
+            done.add_done_callback(lambda d, t=tenant, c=constraint, f=future: self._compiled(t, c, f, d))
+
+    def _compiled(self, tenant: str, constraint: Constraint, future: asyncio.Future, done: asyncio.Future) -> None:
+        self._num_running -= 1
+        for counter in (self._running_of, self._pending_of):
+            counter[tenant] -= 1
+            if counter[tenant] <= 0:
+                del counter[tenant]
+        if tenant not in self._pending_of:
+            self._last_turn.pop(tenant, None)  # bounded state: only tenants with compiles
+        self._in_flight.pop(constraint.key, None)
+        if done.cancelled() or done.exception() is not None:
+            exc = done.exception() if not done.cancelled() else Unavailable("the constraint check was cancelled; retry")
+            if not future.done():
+                future.set_exception(exc)
+        else:
+            verdict = done.result()
+            self._verdicts[constraint.key] = verdict
+            while len(self._verdicts) > self._cache_entries:
+                self._verdicts.popitem(last=False)
+            if not future.done():
+                future.set_result(verdict)
+        self._pump()
 
     def _compile_blocking(self, constraint: Constraint) -> str | None:
         with self._free_lock:
             process = self._free.pop()
         try:
-            return process.compile(constraint, self.timeout_s)
+            return process.compile(constraint, self.timeout_s)[0]
+        except CompileUnavailable as exc:
+            raise Unavailable(str(exc)) from None
         finally:
             with self._free_lock:
                 self._free.append(process)
@@ -112,115 +172,3 @@ class ConstraintChecker:
             process.stop()
 
 
-class _CompileProcess:
-    """One child that compiles constraints one at a time; killed and replaced when it overruns."""
-
-    def __init__(self, model_dir: str, memory_bytes: int) -> None:
-        self.model_dir = model_dir
-        self.memory_bytes = memory_bytes
-        self._proc: multiprocessing.Process | None = None
-        self._conn = None
-
-    def compile(self, constraint: Constraint, timeout_s: float) -> str | None:
-        """None when `constraint` compiles, else why not. Raises Unavailable if no child can start."""
-        self._ensure_started()
-        request = {"kind": constraint.kind.value, "value": constraint.value, "choices": list(constraint.choices)}
-        started = time.monotonic()
-        try:
-            self._conn.send_bytes(json.dumps(request).encode())
-            if not self._conn.poll(timeout_s):
-                log.warning("compiling %s took over %.1f s: killing the compile process", constraint.field, timeout_s)
-                self.stop()
-                return f"does not compile within {timeout_s:g} s (the limit)"
-            reply = json.loads(self._conn.recv_bytes())
-        except (EOFError, OSError):
-            code = self._proc.exitcode if self._proc is not None else None
-            self.stop()
-            log.warning("the compile process died on %s (exit code %s)", constraint.field, code)
-            return f"compiling it ended the compiler (over its {self.memory_bytes >> 20} MiB memory limit?)"
-        log.debug("checked %s in %.1f ms", constraint.field, (time.monotonic() - started) * 1e3)
-        return reply.get("error")
-
-    def _ensure_started(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            return
-        self.stop()
-        context = multiprocessing.get_context("spawn")  # a fork would copy gRPC's and ZeroMQ's threads mid-flight
-        parent, child = context.Pipe()
-        proc = context.Process(
-            target=_child_main, args=(child, self.model_dir, self.memory_bytes), name="constraint-compile", daemon=True
-        )
-        proc.start()
-        child.close()
-        if not parent.poll(START_TIMEOUT_S):
-            proc.kill()
-            raise Unavailable("the constraint compiler did not start; retry")
-        try:
-            ready = json.loads(parent.recv_bytes())
-        except (EOFError, OSError):
-            proc.join(1)
-            raise Unavailable("the constraint compiler failed to start; retry") from None
-        if "error" in ready:
-            proc.kill()
-            raise Unavailable(f"the constraint compiler failed to start: {ready['error']}")
-        self._proc, self._conn = proc, parent
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(5)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = self._conn = None
-
-
-def _child_main(conn, model_dir: str, memory_bytes: int) -> None:
-    """The child: build the compiler, cap the address space, then compile each request it gets.
-
-    A terminal's Ctrl-C reaches the whole process group, this child too: it ignores SIGINT, and
-    ends when its parent stops it or goes away (its pipe closes), so no KeyboardInterrupt
-    traceback is printed while the scheduler shuts down."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import xgrammar as xgr
-
-        from pagoda.constraint import Constraint, ConstraintKind
-        from pagoda.grammars import compile_constraint, error_message, tokenizer_info
-
-        # One thread: a compile is bounded by one core. The cache stays on, bounded: xgrammar
-        # also caches sub-grammars with it, which makes first compiles faster too (measured:
-        # a 30-field schema with patterns 0.3 s with it, 5.3 s without).
-        compiler = xgr.GrammarCompiler(tokenizer_info(model_dir), max_threads=1, cache_limit_bytes=CHILD_CACHE_BYTES)
-        _cap_address_space(memory_bytes)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which refuses to serve constraints
-        conn.send_bytes(json.dumps({"error": repr(exc)}).encode())
-        return
-    conn.send_bytes(b"{}")
-    while True:
-        try:
-            request = json.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return
-        try:
-            kind = ConstraintKind(request["kind"])
-            constraint = Constraint(kind, request["value"], tuple(request["choices"]))
-            compile_constraint(compiler, constraint)
-            reply = {}
-        except MemoryError:
-            reply = {"error": f"compiling it needs more than {memory_bytes >> 20} MiB (the limit)"}
-        except Exception as exc:  # noqa: BLE001 - xgrammar's errors are the client's answer
-            message = error_message(exc)
-            if "bad_alloc" in message:
-                message = f"compiling it needs more than {memory_bytes >> 20} MiB (the limit)"
-            reply = {"error": f"does not compile: {message}"}
-        conn.send_bytes(json.dumps(reply).encode())
-
-
-def _cap_address_space(memory_bytes: int) -> None:
-    with open("/proc/self/statm") as f:
-        vm_bytes = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = vm_bytes + memory_bytes
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))

@@ -41,7 +41,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagoda import __version__
 from pagoda.link_security import LinkKeys
-from pagoda.step import StepPlan, StepResult
+from pagoda.step import GRAMMAR_FAILED, GRAMMAR_PENDING, StepPlan, StepResult
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.auth import current_tenant, prefix_cache_salt
 from scheduler_svc.client_stream import ClientStream
@@ -67,6 +67,15 @@ RequestKey = tuple[str, str]  # (tenant, request_id): who may see, collide with 
 
 # A request in a step in flight on this many failed executors is ended, not restarted (#16).
 MAX_EXECUTOR_LOSSES = 2
+# A constrained request whose grammar is still compiling on its executor is bound again this much
+# later, for at most this long (the executor's own compile bound is 30 s: it fails it before).
+GRAMMAR_RETRY_S = 0.2
+GRAMMAR_WAIT_LIMIT_S = 60.0
+
+
+def _constraint_field(owner) -> str:
+    constraint = owner.stream.params.sampling.constraint
+    return constraint.field if constraint is not None else "constraint"
 
 
 class Engine:
@@ -85,6 +94,7 @@ class Engine:
         self.on_kv_events: Callable[[str, list[KVCacheEvent]], None] = lambda executor_id, events: None
         self._tasks: list[asyncio.Task] = []
         self._strikes: dict[RequestKey, int] = {}  # client request -> failed executors it was in a step of
+        self._grammar_waits: dict[str, float] = {}  # core request id -> since when it waits for its grammar
         self._num_requests_of: Counter[str] = Counter()  # tenant -> its requests in self.requests
         self._requests_of_adapter: Counter[str] = Counter()  # LoRA adapter -> its requests in self.requests
         self.loras: LoraRegistry | None = None  # `enable_loras`
@@ -267,6 +277,8 @@ class Engine:
 
     def _drop_core_requests(self, req_ids: list[str]) -> None:
         ids = set(req_ids)
+        for req_id in ids:
+            self._grammar_waits.pop(req_id, None)
         self.queue.remove(ids)
         for handle in self.pool.alive:
             if handle.scheduler.finish_requests(ids, FinishReason.ABORTED):
@@ -298,17 +310,34 @@ class Engine:
 
         A request no executor could ever hold waits for one that can (or times out in the
         monitor) without holding up the rest; the first that merely has to wait for room
-        stops the binding: no overtaking.
+        stops the binding: no overtaking, except past a tenant that holds its share of every
+        executor's running slots while another tenant waits (`Scheduler.holds_back`): its
+        requests wait, the others' go on. Then every executor learns which tenants still wait
+        here (`Scheduler.set_waiting_elsewhere`), to make them room in its next step.
         """
-        for entry in self.queue.in_order():
-            if not self.pool.can_ever_fit(entry.requests[0].num_tokens + 1):
-                continue
-            handle = self.pool.choose(entry.requests)
-            if handle is None:
-                return
-            self.queue.take(entry)
-            handle.scheduler.add_requests(entry.requests)
-            handle.wakeup.set()
+        held_back: dict[str, bool] = {}
+        try:
+            for entry in self.queue.in_order():
+                if not self.pool.can_ever_fit(entry.requests[0].num_tokens + 1):
+                    continue
+                if entry.tenant in held_back and held_back[entry.tenant]:
+                    continue
+                handle = self.pool.choose(entry.requests)
+                if handle is None:
+                    if entry.tenant not in held_back:
+                        held_back[entry.tenant] = all(h.scheduler.holds_back(entry.tenant) for h in self.pool.alive)
+                    if held_back[entry.tenant]:
+                        continue
+                    return
+                self.queue.take(entry)
+                handle.scheduler.add_requests(entry.requests)
+                handle.wakeup.set()
+        finally:
+            heads = self.queue.heads()
+            for handle in self.pool.alive:
+                handle.scheduler.set_waiting_elsewhere(heads)
+                if heads:
+                    handle.wakeup.set()
 
     def _on_joined(self, handle: ExecutorHandle) -> None:
         was_serving = len(self.pool.alive) > 1
@@ -354,11 +383,34 @@ class Engine:
         return True
 
     def _fail_request_errors(self, handle: ExecutorHandle, result: StepResult) -> None:
-        """End each request its executor pinned an error on (NaN logits, a sampler failure) with INTERNAL."""
+        """End each request its executor pinned an error on (NaN logits, a sampler failure) with INTERNAL.
+
+        Structured output: a request whose grammar is still compiling on the executor
+        (GRAMMAR_PENDING) is taken out of it and bound again GRAMMAR_RETRY_S later
+        (`_update`), for at most GRAMMAR_WAIT_LIMIT_S; one whose grammar failed to compile
+        there (GRAMMAR_FAILED: over the executor's bounds) ends with INVALID_ARGUMENT naming
+        its constraint.
+        """
         for error in result.errors:
-            handle.scheduler.finish_requests({error.req_id}, FinishReason.ABORTED)
             owner = self.owners.get(error.req_id)
+            if error.message.startswith(GRAMMAR_PENDING) and owner is not None and not owner.stream.done:
+                waited = time.monotonic() - self._grammar_waits.setdefault(error.req_id, time.monotonic())
+                if waited < GRAMMAR_WAIT_LIMIT_S:
+                    handle.scheduler.defer(error.req_id)
+                    continue
+                self._grammar_waits.pop(error.req_id, None)
+                handle.scheduler.finish_requests({error.req_id}, FinishReason.ABORTED)
+                self._fail(owner.stream, InvalidArgument(
+                    _constraint_field(owner), f"did not compile on executor {handle.executor_id} within {GRAMMAR_WAIT_LIMIT_S:g} s"
+                ))
+                continue
+            handle.scheduler.finish_requests({error.req_id}, FinishReason.ABORTED)
+            self._grammar_waits.pop(error.req_id, None)
             if owner is None or owner.stream.done:
+                continue
+            if error.message.startswith(GRAMMAR_FAILED):
+                _, _, why = error.message.removeprefix(GRAMMAR_FAILED).partition(": ")
+                self._fail(owner.stream, InvalidArgument(_constraint_field(owner), f"{why} (executor {handle.executor_id})"))
                 continue
             log.error("request %r failed on executor %s: %r", owner.stream.request_id, handle.executor_id, error.message)
             self.metrics.request_errors.labels("executor_error").inc()
@@ -423,9 +475,23 @@ class Engine:
                 self._close(owner.stream)
         self.metrics.observe_spec_decode(scheduler.take_spec_decode_stats())
         self._publish_kv_events(handle)
+        if self._grammar_waits:
+            for update in updates:
+                self._grammar_waits.pop(update.req_id, None)  # its grammar was ready: it sampled
         for request in scheduler.take_movable():
             owner = self.owners.get(request.req_id)
+            if request.req_id in self._grammar_waits:  # bound again a little later, not at once
+                asyncio.get_running_loop().call_later(GRAMMAR_RETRY_S, self._requeue, request)
+                continue
             self.queue.push([request], owner.stream.tenant if owner is not None else "")
+        self._dispatch()
+
+    def _requeue(self, request: Request) -> None:
+        """A request that waited for its grammar: queued again, unless it ended meanwhile."""
+        owner = self.owners.get(request.req_id)
+        if owner is None or owner.stream.done or request.is_finished or request.req_id not in self._grammar_waits:
+            return
+        self.queue.push([request], owner.stream.tenant)
         self._dispatch()
 
     def _step_loop_ended(self, handle: ExecutorHandle, task: asyncio.Task) -> None:

@@ -55,6 +55,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     max_requests_per_tenant: int = 0  # running + waiting requests of one API-key tenant; 0 = no limit
+    max_running_per_tenant: int = 0  # running slots of one tenant while another waits; 0 = max_num_seqs // tenants with work
     executor_timeout_s: float = 2.0
     no_executor_wait_s: float = 30.0
     async_scheduling: bool = True  # plan step N+1 while step N runs
@@ -75,6 +76,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_running_per_tenant < 0:
+            raise ValueError(f"max_running_per_tenant must not be negative, got {self.max_running_per_tenant}")
         if self.max_requests_per_tenant < 0:
             raise ValueError(f"max_requests_per_tenant must not be negative, got {self.max_requests_per_tenant}")
         if self.executor_timeout_s <= 0 or self.no_executor_wait_s < 0 or self.step_timeout_s <= 0:
@@ -296,6 +299,7 @@ class ExecutorPool:
                 enable_kv_cache_events=self.config.enable_prefix_caching,  # drained every step (Engine._update)
                 kv_cache_groups=groups,
                 max_loras=self.config.max_loras if self.config.enable_lora else 0,
+                max_running_per_tenant=self.config.max_running_per_tenant,
             )
         )
 

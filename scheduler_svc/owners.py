@@ -72,6 +72,7 @@ class SampleOwner:
                 priority=params.priority,
                 arrival_time=now,
                 cache_salt=params.cache_salt,
+                tenant=stream.tenant,
                 lora=params.lora,
             )
             owners.append(cls(stream, sample, request, metrics))
@@ -143,6 +144,7 @@ class BeamOwner:
             priority=params.priority,
             arrival_time=time.monotonic(),
             cache_salt=params.cache_salt,
+            tenant=stream.tenant,
             lora=params.lora,
         )
         return cls(stream, search, metrics)

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from pagoda.reasoning import constrain_after_reasoning, get_reasoning_parser
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.auth import ApiKey, ApiKeyInterceptor
+from scheduler_svc.auth import ApiKey, ApiKeyInterceptor, current_tenant
 from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.constraint_check import ConstraintChecker
 from scheduler_svc.engine import Engine
@@ -86,11 +86,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tail = self.engine.tokenizer.decode(params.prompt_token_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
             params = dataclasses.replace(params, reasoning=(parser, parser.initial_state(tail)))
         if params.sampling.constraint is not None:
-            await self.constraints.check(params.sampling.constraint)
+            await self.constraints.check(params.sampling.constraint, current_tenant())  # its turn among tenants
             if parser is not None:  # the grammar starts once the reasoning ends
                 constraint = constrain_after_reasoning(params.sampling.constraint, *params.reasoning)
                 if constraint is not params.sampling.constraint:
-                    await self.constraints.check(constraint)  # the executors compile this one
+                    await self.constraints.check(constraint, current_tenant())  # the executors compile this one
                     params = dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, constraint=constraint))
         return params, self.engine.submit(params)  # under the caller's tenant (its cache salt too)
 

@@ -91,6 +91,10 @@ class WaitingQueue:
             self._by_tenant.pop(tenant, None)
             self._finish.pop(tenant, None)
 
+    def heads(self) -> dict[str, Request]:
+        """Each tenant with requests queued -> the first request of its next entry."""
+        return {tenant: entries[0].requests[0] for tenant, entries in self._by_tenant.items() if entries}
+
     @property
     def entries(self) -> list[QueuedGroup]:
         """Every entry, in no particular order."""

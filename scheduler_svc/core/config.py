@@ -74,8 +74,13 @@ class SchedulerConfig:
     enable_kv_cache_events: bool = False  # record prefix-cache events (`Scheduler.take_kv_events`)
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = field(default=FULL_ATTENTION)
     max_loras: int = 0  # LoRA adapters in one step (the base model aside); 0: no limit
+    # While two tenants or more have work here, a tenant holds at most this many running slots when
+    # another waits (0: max_num_seqs // the tenants with work); see Scheduler's "Fair shares".
+    max_running_per_tenant: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_running_per_tenant, int) or isinstance(self.max_running_per_tenant, bool) or self.max_running_per_tenant < 0:
+            raise ValueError(f"SchedulerConfig.max_running_per_tenant must be an int >= 0, got {self.max_running_per_tenant!r}")
         if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 0:
             raise ValueError(f"SchedulerConfig.max_loras must be an int >= 0, got {self.max_loras!r}")
         minimums = {

@@ -83,6 +83,7 @@ class Request:
     was_scheduled: bool = False
     is_beam: bool = False
     cache_salt: str = ""  # tenant + GenerateRequest.cache_salt: prefix-cache hits only among equal salts
+    tenant: str = ""  # who sent it (the API key's tenant, "" when keys are off): fair shares of running slots
     lora: str = ""  # the LoRA adapter it runs with (its name as executors know it), "" for the base model
     # speculative decoding: drafts verified, of them accepted; the backoff of `spec_decode`
     num_draft_tokens: int = 0

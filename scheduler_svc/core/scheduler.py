@@ -23,6 +23,23 @@ are one rule::
     3. nothing scheduled, yet a request waits while beams are held: preempt the
        latest held beam (one per step), so held beams never block admission
 
+Fair shares between tenants (`Request.tenant`). While two tenants or more have work here
+(running, waiting here, or waiting for an executor in the engine's queue: `set_waiting_elsewhere`),
+a tenant's share of the running slots is `max_running_per_tenant`, or max_num_seqs // those
+tenants. A tenant below its share that waits is *needy*; while one is:
+
+    0. before step 1, if the free slots (max_num_seqs - running) or free blocks cannot take
+       one request of each needy tenant, preempt the newest running request of the tenant
+       furthest over its share, until they can or no tenant is over its share; and when
+       step 1 must preempt for blocks, its victim is the newest unscheduled request of the
+       tenant running the most;
+    2'. a tenant at or over its share is not admitted (the others are: no stop);
+    budget: a prefill chunk of a tenant gets at most budget // tenants tokens of the step
+       (summed over its requests; decodes are never cut).
+
+A preempted request keeps every token (it resumes, possibly elsewhere, like any preemption).
+So a bystander's request waits at most one step for a slot however many another tenant runs.
+
 Speculative decoding (`SchedulerConfig.speculative`): a running request at its end
 (one token to compute, no token in flight) also gets up to k draft tokens from prompt
 lookup (`spec_decode.NgramProposer`), within the budget, its length limits and free
@@ -50,7 +67,7 @@ the next one).
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -109,6 +126,24 @@ class _AdapterCap:
         return False
 
 
+@dataclass
+class _Fairness:
+    """One step's fair shares (see "Fair shares" above); None from `_fairness` with one tenant."""
+
+    share: int  # running slots a tenant may hold while another is needy
+    token_cap: int  # prefill tokens a tenant may get in one step
+    running_of: Counter  # tenant -> its running requests (kept current through the step)
+    needy: dict[str, int]  # tenant below its share that waits -> slots it needs now (1 each)
+    tokens_of: Counter  # tenant -> prefill tokens granted in this step
+
+    def holds_back(self, tenant: str) -> bool:
+        """Whether `tenant` may not start another request now: at its share while another tenant is needy."""
+        return self.running_of[tenant] >= self.share and any(t != tenant for t in self.needy)
+
+    def tokens_left(self, tenant: str) -> int:
+        return self.token_cap - self.tokens_of[tenant]
+
+
 class Scheduler:
     """Admission, token budget, preemption, n-sample and beam forks for one executor.
 
@@ -145,6 +180,8 @@ class Scheduler:
         self._in_flight: deque[_InFlight] = deque()  # oldest first
         self._proposer = NgramProposer(config.speculative) if config.speculative else None
         self._spec_stats = SpecDecodeStats()
+        self._waiting_elsewhere: dict[str, Request] = {}  # tenant -> its next request in the engine's queue
+        self._fair: _Fairness | None = None  # during schedule()
 
     # ---- front end ------------------------------------------------------------------------
 
@@ -174,9 +211,63 @@ class Scheduler:
         waiting = [r for r in self._waiting if r.req_id not in self._held]
         if not requests or len(self._running) + len(waiting) >= self.config.max_num_seqs:
             return False
+        if self.holds_back(requests[0].tenant):
+            return False
         need = sum(self._first_chunk_blocks(r, 0) for r in waiting if self._siblings.leader_of(r.req_id) is None)
         need += self._first_chunk_blocks(requests[0], num_cached_tokens)
         return need <= self.kv_cache_manager.block_pool.num_free_blocks
+
+    def set_waiting_elsewhere(self, heads: dict[str, Request]) -> None:
+        """The tenants with requests waiting for an executor (the engine's queue), each with its next one.
+
+        They count among the tenants with work for fair shares, and a step preempts over-share
+        tenants to make them room (see "Fair shares").
+        """
+        self._waiting_elsewhere = heads
+
+    def holds_back(self, tenant: str) -> bool:
+        """Whether a new request of `tenant` must wait: it holds its share while another tenant is needy."""
+        fair = self._fairness()
+        if fair is None:
+            return False
+        for request in self._waiting:  # bound here, not started: they take its slots first
+            if request.tenant == tenant and request.req_id not in self._held:
+                fair.running_of[tenant] += 1
+        return fair.holds_back(tenant)
+
+    def _fairness(self) -> _Fairness | None:
+        """This step's fair shares; None while fewer than two tenants have work here."""
+        running_of = Counter(r.tenant for r in self._running)
+        waiting_of = Counter(r.tenant for r in self._waiting if r.req_id not in self._held and not r.num_output_placeholders)
+        tenants = running_of.keys() | waiting_of.keys() | self._waiting_elsewhere.keys()
+        if len(tenants) < 2:
+            return None
+        share = self.config.max_running_per_tenant or max(1, self.config.max_num_seqs // len(tenants))
+        needy = {
+            t: 1 for t in (waiting_of.keys() | self._waiting_elsewhere.keys()) if running_of[t] < share
+        }
+        token_cap = max(1, self.config.max_num_batched_tokens // len(tenants))
+        return _Fairness(share, token_cap, running_of, needy, Counter())
+
+    def _make_room(self, fair: _Fairness, plan: StepPlan) -> None:
+        """Step 0 of "Fair shares": preempt over-share tenants' newest requests until every needy tenant fits."""
+        if not fair.needy:
+            return
+        need_blocks = 0
+        for tenant in fair.needy:
+            head = self._waiting_elsewhere.get(tenant) or next(r for r in self._waiting if r.tenant == tenant)
+            need_blocks += self._first_chunk_blocks(head, 0)
+        pool = self.kv_cache_manager.block_pool
+        while (
+            self.config.max_num_seqs - len(self._running) < len(fair.needy) or pool.num_free_blocks < need_blocks
+        ):
+            over = [t for t, n in fair.running_of.items() if n > fair.share]
+            if not over:
+                return
+            heaviest = max(over, key=lambda t: fair.running_of[t])
+            victim = next(r for r in reversed(self._running) if r.tenant == heaviest)
+            self._preempt(victim, plan)
+            fair.running_of[heaviest] -= 1
 
     def _first_chunk_blocks(self, request: Request, num_cached_tokens: int) -> int:
         """Blocks of the first chunk after a hit of `num_cached_tokens`, in every KV cache group."""
@@ -236,6 +327,28 @@ class Scheduler:
                 self._finish(request, reason)
                 finished.append(request)
         return finished
+
+    def defer(self, req_id: str) -> bool:
+        """Take a running request out of the executor until it is admitted again (a preemption
+        between steps: nothing is lost; the next plan tells the executor to drop it).
+
+        For a request the executor could not sample yet (its grammar still compiling, GRAMMAR_PENDING).
+        False, changing nothing, unless it is running.
+        """
+        request = self._requests.get(req_id)
+        if request is None or request.status is not _RUNNING or req_id in self._held:
+            return False
+        self.kv_cache_manager.free(request)
+        self._running.remove(request)
+        self._siblings.discard(req_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        bisect.insort(self._waiting, request, key=self._key)
+        if req_id in self._unsent:
+            self._unsent.discard(req_id)
+        else:
+            self._finished_req_ids.append(req_id)
+        return True
 
     def drain(self) -> list[Request]:
         """Remove every unfinished request, reset to resume elsewhere (no blocks, 0 computed).
@@ -373,9 +486,13 @@ class Scheduler:
         self._next_step_id += 1
         plan.block_copies, self._block_copies = self._block_copies, []
         num_preemptions = self.num_preemptions
+        self._fair = fair = self._fairness()
+        if fair is not None:
+            self._make_room(fair, plan)
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if self.num_preemptions == num_preemptions:
             self._schedule_waiting(plan, budget)
+        self._fair = None
         if not plan.num_scheduled_tokens:
             self._release_held(plan)
         if self._unsent:
@@ -515,11 +632,15 @@ class Scheduler:
         # for one token), when its pending tokens reach a length limit (planning on would be
         # waste), or when it has drafts in flight (its length is not known yet).
         held, unsent, proposer, max_seq_len = self._held, self._unsent, self._proposer, self._max_seq_len
+        fair = self._fair
         drafts_in_flight = [f.plan.scheduled_spec_decode_tokens for f in self._in_flight if f.plan.scheduled_spec_decode_tokens]
         allocate_slots = self._allocate_slots
         cached_requests, num_scheduled_tokens = plan.cached_requests, plan.num_scheduled_tokens
         drafts: list[int] = []
-        for request in list(self._running):
+        # with fair shares, the tenants running fewest go first (stable: key order within a tenant count),
+        # so blocks run short for the heaviest tenant, whose newest request is then the victim
+        running = list(self._running) if fair is None else sorted(self._running, key=lambda r: fair.running_of[r.tenant])
+        for request in running:
             if budget == 0:
                 break
             req_id = request.req_id
@@ -542,6 +663,11 @@ class Scheduler:
                 num_new = len(request._all_token_ids) + pending - request.num_computed_tokens
                 if num_new > budget:
                     num_new = budget
+                if fair is not None and num_new > 1:  # a prefill chunk: within its tenant's tokens
+                    num_new = min(num_new, fair.tokens_left(request.tenant))
+                    if num_new <= 0:
+                        continue
+                    fair.tokens_of[request.tenant] += num_new
                 new_block_ids = allocate_slots(request, num_new)
                 if new_block_ids is None:
                     new_block_ids = self._preempt_for(request, num_new, plan)
@@ -589,13 +715,34 @@ class Scheduler:
         scheduled in this step yet, or it is `request` itself (then None).
         """
         while True:
-            victim = self._running[-1]
+            victim = None
+            if self._fair is not None:  # (not one scheduled in this step already: request itself at worst)
+                victim = self._fair_victim(request, plan) or next(
+                    r for r in reversed(self._running) if r is request or r.req_id not in plan.num_scheduled_tokens
+                )
+            if victim is None:
+                victim = self._running[-1]
             self._preempt(victim, plan)
+            if self._fair is not None:
+                self._fair.running_of[victim.tenant] -= 1
             if victim is request:
                 return None
             new_block_ids = self._allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
+
+    def _fair_victim(self, request: Request, plan: StepPlan) -> Request | None:
+        """With fair shares: the newest request, not yet scheduled in this step, of the tenant running
+        the most (None: none; the usual victim then)."""
+        fair = self._fair
+        if not fair.running_of:
+            return None
+        heaviest = max(fair.running_of, key=lambda t: fair.running_of[t])
+        scheduled = plan.num_scheduled_tokens
+        for candidate in reversed(self._running):
+            if candidate.tenant == heaviest and (candidate is request or candidate.req_id not in scheduled):
+                return candidate
+        return None
 
     def _allocate(self, request: Request, num_new: int) -> tuple[list[int], ...] | None:
         """`allocate_slots` for a running request where sliding windows are freed: a leader whose
@@ -612,18 +759,33 @@ class Scheduler:
                 return
             if request.req_id in self._held or request.num_output_placeholders:  # its token is not back yet
                 continue
+            fair = self._fair
+            limit = budget
+            if fair is not None:
+                if fair.holds_back(request.tenant):
+                    continue
+                limit = min(budget, fair.tokens_left(request.tenant))
+                if limit <= 0:
+                    continue
             if adapters is not None and not adapters.admits(request.lora):
                 continue
             leader_id = self._siblings.leader_of(request.req_id)
             if leader_id is None:
-                num_scheduled = self._admit(request, plan, budget)
+                num_scheduled = self._admit(request, plan, limit)
             elif self._ready_to_fork(self._requests[leader_id], request):
                 num_scheduled = self._fork(request, self._requests[leader_id], plan)
             else:
                 continue
             if num_scheduled == 0:
+                if limit < budget:  # its tenant's tokens ran out, not the room
+                    continue
                 return
             budget -= num_scheduled
+            if fair is not None:
+                fair.running_of[request.tenant] += 1
+                fair.tokens_of[request.tenant] += num_scheduled
+                if fair.running_of[request.tenant] >= fair.share:
+                    fair.needy.pop(request.tenant, None)
 
     def _adapter_cap(self) -> _AdapterCap | None:
         """The step's LoRA adapters under `max_loras` (None: no limit, or no request with an adapter waits)."""

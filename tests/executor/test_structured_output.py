@@ -11,13 +11,14 @@ speculative decoding (drafts checked against the grammar). The reference is tran
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import pytest
 import torch
 
 from pagoda.constraint import Constraint
-from pagoda.step import NewRequestData, SamplingParams, StepPlan
+from pagoda.step import GRAMMAR_FAILED, GRAMMAR_PENDING, NewRequestData, SamplingParams, StepPlan
 from scheduler_svc.core import FinishReason, Request, Scheduler, SchedulerConfig
 from scheduler_svc.core.config import SpeculativeConfig
 from tests.structured_reference import CASES, Reference
@@ -56,21 +57,33 @@ def _requests(expected, tag: str, logprobs: bool = False) -> list[Request]:
     ]
 
 
+def _apply(scheduler: Scheduler, plan, result) -> list:
+    """`update_from_output`, then what the engine does for a request whose grammar is still
+    compiling on the executor (GRAMMAR_PENDING): take it out, to be admitted again."""
+    step_updates = scheduler.update_from_output(plan, result)
+    for error in result.errors:
+        assert error.message.startswith(GRAMMAR_PENDING), error
+        scheduler.defer(error.req_id)
+    if result.errors:
+        time.sleep(0.02)
+    return step_updates
+
+
 def _run(runner, scheduler: Scheduler, ahead: bool, updates: list | None = None) -> None:
     """Drive `scheduler` and `runner` to the end; `ahead`: each step planned before the last result is applied."""
     in_flight: deque = deque()
-    for _ in range(2_000):
+    for _ in range(5_000):
         if not scheduler.has_unfinished():
             break
         plan = scheduler.schedule()
         in_flight.append((plan, runner.execute(plan)))
         while len(in_flight) > (1 if ahead else 0):
-            step_updates = scheduler.update_from_output(*in_flight.popleft())
+            step_updates = _apply(scheduler, *in_flight.popleft())
             if updates is not None:
                 updates += step_updates
         scheduler.check_integrity()
     while in_flight:
-        scheduler.update_from_output(*in_flight.popleft())
+        _apply(scheduler, *in_flight.popleft())
     runner.execute(scheduler.schedule())  # drop the finished requests' state
     assert not scheduler.has_unfinished()
     assert not runner.structured, "a finished request's matcher was kept"
@@ -132,8 +145,9 @@ def test_logprobs_are_those_of_the_masked_distribution(default_runner, expected,
         assert (got - raw).max() > 0.5  # the mask matters: some token is far likelier than unmasked
 
 
-def test_drafts_the_grammar_rejects_are_never_accepted(default_runner, expected, reference):
+def test_drafts_the_grammar_rejects_are_never_accepted(default_runner, expected, reference, monkeypatch):
     """Drafts are the reference's own continuation (accepted), or tokens outside the grammar (rejected)."""
+    monkeypatch.setattr(default_runner.structured, "defer", False)  # plans by hand: the step waits for its grammar
     case = next(c for c in CASES if c.name == "regex")
     prompt, want = expected[case.name]
     letters = reference.tokenizer("abc", add_special_tokens=False)["input_ids"]
@@ -212,6 +226,7 @@ def test_every_attention_backend_masks_through_the_shared_sampler(backend, tmp_p
     hf = build_tiny("llama", tmp_path, default_model_dir, shard=False)
     reference = Reference(hf, AutoTokenizer.from_pretrained(str(tmp_path)))
     runner = ModelRunner(tmp_path, device="cpu", num_kv_blocks=32, attention_backend=backend)
+    runner.structured.defer = False  # plans by hand: the step waits for its grammar
     builder = PlanBuilder(num_blocks=32)
     cases = [c for c in CASES if c.name in ("regex", "choice", "json_object")]
     prompts = {c.name: reference.prompt_ids(c.prompt)[:24] for c in cases}
@@ -223,12 +238,94 @@ def test_every_attention_backend_masks_through_the_shared_sampler(backend, tmp_p
         assert outputs[case.name][: len(want)] == want, (backend, case.name)
 
 
-def test_a_grammar_that_fails_on_the_executor_fails_its_request_alone(default_runner):
+def test_a_grammar_that_fails_on_the_executor_fails_its_request_alone(default_runner, monkeypatch):
+    monkeypatch.setattr(default_runner.structured, "defer", False)
     greedy = SamplingParams(temperature=0.0)
     bad = NewRequestData("bad-grammar", [1, 2, 3, 4], 4, SamplingParams(temperature=0.0, constraint=Constraint.regex("(")), [1], 0)
     good = NewRequestData("good-neighbour", [1, 2, 3, 4], 4, greedy, [2], 0)
     result = default_runner.execute(StepPlan(0, new_requests=[bad, good], num_scheduled_tokens={"bad-grammar": 4, "good-neighbour": 4}))
     assert [t.req_id for t in result.sampled] == ["good-neighbour"]
     assert [e.req_id for e in result.errors] == ["bad-grammar"]
+    assert result.errors[0].message.startswith(f"{GRAMMAR_FAILED}constraint.regex: ")
     assert "failed to compile on the executor: Regex parsing error" in result.errors[0].message
     default_runner.execute(StepPlan(1, finished_req_ids=["bad-grammar", "good-neighbour"]))
+
+
+# issue 43: a grammar never stalls a step. Over the 1 s bound below here (the scheduler's check test
+# measured 15 s for it); distinct field names per test, so no compile is shared.
+def _slow(tag: str) -> Constraint:
+    return Constraint.json_schema(
+        {"type": "object", "properties": {f"{tag}{i}": {"type": "string", "pattern": "[a-z]{3,9}"} for i in range(2000)}}
+    )
+
+
+def test_a_slow_grammar_waits_alone_and_one_over_the_time_bound_fails_only_its_request(default_runner, default_model_dir, monkeypatch):
+    """The step runs the others while a grammar compiles (GRAMMAR_PENDING for its request, sent
+    again in full each step as the scheduler would), and a compile over the bound fails that
+    request alone, naming its constraint (GRAMMAR_FAILED)."""
+    from executor_svc.structured_output import StructuredOutput
+
+    structured = StructuredOutput(default_model_dir, timeout_s=1.0)
+    monkeypatch.setattr(default_runner, "structured", structured)
+    slow = NewRequestData("slow-grammar", [1, 2, 3, 4], 4, SamplingParams(temperature=0.0, constraint=_slow("s")), [1], 0)
+    plain = NewRequestData("plain-neighbour", [1, 5, 6, 7], 4, SamplingParams(temperature=0.0), list(range(5, 45)), 0)
+    plan = StepPlan(0, new_requests=[slow, plain], num_scheduled_tokens={"slow-grammar": 4, "plain-neighbour": 4})
+    times, pending, error, started_all = [], 0, None, time.monotonic()
+    try:
+        for step_id in range(1, 400):
+            started = time.monotonic()
+            result = default_runner.execute(plan)
+            times.append(time.monotonic() - started)
+            assert [t.req_id for t in result.sampled] == ["plain-neighbour"]  # it never waits
+            (mine,) = result.errors
+            if not mine.message.startswith(GRAMMAR_PENDING):
+                error = mine.message
+                break
+            pending += 1
+            time.sleep(0.05)
+            plan = StepPlan(
+                step_id, finished_req_ids=["slow-grammar"], new_requests=[slow],
+                num_scheduled_tokens={"slow-grammar": 4, "plain-neighbour": 1},
+            )
+    finally:
+        default_runner.execute(StepPlan(10_000, finished_req_ids=["slow-grammar", "plain-neighbour"]))
+        structured.close()
+    compile_s = time.monotonic() - started_all  # its compile process's start-up, then 1 s of compiling
+    assert pending >= 2 and error is not None, (pending, times)
+    # no step waited for the compile (a step that did would take all of it): a generous bound for a loaded machine
+    assert max(times) < compile_s / 2, (times, compile_s)
+    assert error.startswith(f"{GRAMMAR_FAILED}constraint.json_schema: ") and "within 1 s (the limit)" in error, error
+    assert structured.num_compiles == 1
+
+
+def test_a_pending_request_is_taken_out_and_samples_once_its_grammar_is_ready(default_runner, expected, monkeypatch):
+    """Under the core scheduler (as the engine drives it): a constrained request is deferred while its
+    grammar compiles and then generates exactly transformers' constrained tokens; the others never wait."""
+    from executor_svc.structured_output import StructuredOutput
+
+    structured = StructuredOutput(default_runner.model_dir)  # cold: its compile process starts now
+    monkeypatch.setattr(default_runner, "structured", structured)
+    case = next(c for c in CASES if c.name == "json_schema")
+    scheduler = Scheduler(SchedulerConfig(num_blocks=256, block_size=16))
+    constrained = _requests(expected, "deferred")[[c.name for c in CASES].index("json_schema")]
+    plain = Request("plain", [1, 2, 3], SamplingParams(temperature=0.0), max_tokens=40, arrival_time=-1.0)
+    scheduler.add_requests([plain])
+    scheduler.add_requests([constrained])
+    pending_steps, step_times = 0, []
+    try:
+        for _ in range(5_000):
+            if not scheduler.has_unfinished():
+                break
+            plan = scheduler.schedule()
+            started = time.monotonic()
+            result = default_runner.execute(plan)
+            step_times.append(time.monotonic() - started)
+            pending_steps += any(e.message.startswith(GRAMMAR_PENDING) for e in result.errors)
+            _apply(scheduler, plan, result)
+    finally:
+        default_runner.execute(scheduler.schedule())
+        structured.close()
+    assert pending_steps >= 1  # its compile process was cold: it waited (alone) at least once
+    assert len(plain.output_token_ids) == 40 and max(step_times) < sum(step_times) / 3  # no step waited for it
+    assert constrained.output_token_ids == expected[case.name][1]
+    assert structured.num_compiles == 1  # compiled once, though its request was sent several times

@@ -13,7 +13,7 @@ from pagoda.step import NewRequestData, SamplingParams, StepPlan
 from pagoda.v1 import executor_pb2
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.constraint_check import ConstraintChecker
-from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.errors import InvalidArgument, ResourceExhausted
 from scheduler_svc.tokenizer import ModelSpec
 from scheduler_svc.validation import check_fields
 
@@ -149,3 +149,40 @@ def test_the_client_sends_at_most_one_constraint():
     assert not build_request("hi", None, GenerateParams(), "r").HasField("constraint")
     with pytest.raises(ValueError, match="at most one constraint, got choice, regex"):
         build_request("hi", None, GenerateParams(regex="a", choice=["a"]), "r")
+
+
+def _slow_schema(tag: str, fields: int = 2000) -> Constraint:
+    """Over the 1 s limit here (see the test above); `tag` makes each one a distinct compile."""
+    return Constraint.json_schema(
+        {"type": "object", "properties": {f"{tag}{i}": {"type": "string", "pattern": "[a-z]{3,9}"} for i in range(fields)}}
+    )
+
+
+def test_the_compile_queue_takes_tenants_in_turn_with_a_cap_per_tenant():
+    """issue 43: a tenant's queued compiles never delay another tenant's first one (its turn comes
+    next, on the process the first tenant may not take: one running compile per tenant of two
+    processes), and a tenant's queue is capped (RESOURCE_EXHAUSTED)."""
+    checker = ConstraintChecker(
+        model_files.resolve_model(None, weights=False), timeout_s=1.0, num_processes=2, max_pending_per_tenant=2
+    )
+    try:
+        hostile = [_slow_schema(f"h{k}_") for k in range(3)]
+
+        async def scene():
+            # both processes started (a compile of each of two tenants at once)
+            await asyncio.gather(checker.check(Constraint.regex("[a-c]"), "a"), checker.check(Constraint.regex("[d-f]"), "b"))
+            tasks = [asyncio.ensure_future(checker.check(c, "hostile")) for c in hostile[:2]]
+            await asyncio.sleep(0)
+            with pytest.raises(ResourceExhausted, match="this tenant has 2 constraints"):
+                await checker.check(hostile[2], "hostile")
+            await checker.check(Constraint.regex(r"[0-9]{3}"), "bystander")
+            done_before_bystander = [t.done() for t in tasks]
+            return done_before_bystander, await asyncio.gather(*tasks, return_exceptions=True)
+
+        done_before_bystander, results = asyncio.run(scene())
+        assert done_before_bystander == [False, False]  # it waited behind none of them
+        assert all(isinstance(r, InvalidArgument) and "within 1 s" in str(r) for r in results), results
+        order = [tenant for tenant, _ in checker.compile_order][2:]
+        assert order == ["hostile", "bystander", "hostile"], order
+    finally:
+        checker.close()

@@ -1,0 +1,202 @@
+"""Stall probe (issue 43): can one tenant stall the others through grammars or running slots?
+
+    python bench/stall_probe.py                        # the default model, every scenario, full size
+    python bench/stall_probe.py --quick                # a tiny random model, small loads (CI's size)
+    python bench/stall_probe.py --scenarios hostile --max-length 100000
+
+One scheduler with three API-key tenants and one executor (tests/service/harness.py). In each
+scenario the *attacker* tenant starts its load, then the *bystander* tenant streams an
+unconstrained request and the *third* tenant sends a one-field JSON schema request. Reported per
+scenario: the bystander's first-token wait and its largest gap between two streamed messages,
+the third tenant's first-token wait, and the attacker's statuses. Scenarios:
+
+    quiet    no attacker (the baseline of the same run)
+    hostile  `--hostile` JSON schemas of eight strings with maxLength `--max-length`, distinct
+    short    `--short-streams` short streams (max_tokens 4) at once
+    long     `--long-streams` long streams (max_tokens `--long-tokens`, ignore_eos) at once
+
+Writes bench/out/stall_probe-<timestamp>.json. Exits 1 when a bystander's or third tenant's
+request failed, or under attack (not `quiet`, which also pays the compile processes' cold
+start) a first token took longer than `--max-first-token` or a bystander's token gap longer than
+`--max-gap` (tests/service/test_stall_probe.py runs `--quick` with generous bounds). Timings on a shared machine are noisy: compare runs
+of the same machine, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, when run as a script
+
+import grpc  # noqa: E402
+
+from bench.common import OUT_DIR, exit_on_sigterm, format_table, timestamp, write_json  # noqa: E402
+from pagoda.v1 import generation_pb2 as pb  # noqa: E402
+from pagoda.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+
+KEYS = {"attacker": "attacker-key-0123456789abcdef", "bystander": "bystander-key-0123456789abcdef", "third": "third-key-0123456789abcdef"}
+SCENARIOS = ("quiet", "hostile", "short", "long")
+
+
+def hostile_schema(max_length: int, tag: int) -> str:
+    props = {f"s{tag}_{i}": {"type": "string", "maxLength": max_length} for i in range(8)}
+    return json.dumps({"type": "object", "properties": props, "required": list(props)})
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int, schema: str | None = None, ignore_eos: bool = False) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id)
+    req.token_ids.ids.extend(prompt)
+    req.sampling.temperature = 0.0
+    req.stopping.max_tokens = max_tokens
+    req.stopping.ignore_eos = ignore_eos
+    if schema is not None:
+        req.constraint.json_schema = schema
+    return req
+
+
+async def stream(stub, req: pb.GenerateRequest, key: str, timeout: float) -> dict:
+    """One Generate stream: its first-token wait, largest gap between messages, status."""
+    t0 = time.monotonic()
+    times = []
+    code = "OK"
+    try:
+        async for message in stub.Generate(req, metadata=(("authorization", f"Bearer {key}"),), timeout=timeout):
+            if any(out.token_ids for out in message.outputs):
+                times.append(time.monotonic())
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code().name
+    except asyncio.CancelledError:
+        code = "CANCELLED"
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {
+        "status": code,
+        "first_token_s": round(times[0] - t0, 3) if times else None,
+        "max_gap_s": round(max(gaps), 3) if gaps else None,
+        "tokens": len(times),
+        "total_s": round(time.monotonic() - t0, 3),
+    }
+
+
+def attacker_requests(scenario: str, args) -> list[pb.GenerateRequest]:
+    if scenario == "hostile":
+        return [request(f"h{i}", [1, 20, 30, 40], 16, hostile_schema(args.max_length, i)) for i in range(args.hostile)]
+    if scenario == "short":
+        return [request(f"s{i}", [1, 21 + i % 50, 31, 41], 4, ignore_eos=True) for i in range(args.short_streams)]
+    if scenario == "long":
+        return [request(f"l{i}", [1, 22 + i % 50, 32, 42], args.long_tokens, ignore_eos=True) for i in range(args.long_streams)]
+    return []
+
+
+async def scenario_run(target: str, scenario: str, args) -> dict:
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_concurrent_streams", 100000)]) as attacker_channel, \
+            grpc.aio.insecure_channel(target) as channel:
+        attacker_stub, stub = pb_grpc.GenerationStub(attacker_channel), pb_grpc.GenerationStub(channel)
+        attack = [
+            asyncio.ensure_future(stream(attacker_stub, req, KEYS["attacker"], args.timeout))
+            for req in attacker_requests(scenario, args)
+        ]
+        await asyncio.sleep(args.head_start if attack else 0)
+        bystander_req = request(f"b-{scenario}", [1, 50, 51, 52], args.bystander_tokens, ignore_eos=True)
+        field = f"ok_{scenario}"  # a schema of its own in each scenario: never a cached verdict
+        third_req = request(f"t-{scenario}", [1, 60, 61, 62], 16, json.dumps({"type": "object", "properties": {field: {"type": "boolean"}}, "required": [field]}))
+        bystander, third = await asyncio.gather(
+            stream(stub, bystander_req, KEYS["bystander"], args.timeout),
+            stream(stub, third_req, KEYS["third"], args.timeout),
+        )
+        for task in attack:
+            task.cancel()
+        results = await asyncio.gather(*attack, return_exceptions=True)
+    statuses: dict[str, int] = {}
+    for r in results:
+        name = r["status"] if isinstance(r, dict) else "CANCELLED"
+        statuses[name] = statuses.get(name, 0) + 1
+    return {"bystander": bystander, "third": third, "attacker": statuses}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model to serve (default: the default model; --quick: a tiny random one)")
+    parser.add_argument("--target", default=None, help="host:port of a running service with KEYS' tenants (default: spawn one)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--hostile", type=int, default=3)
+    parser.add_argument("--max-length", type=int, default=100000)
+    parser.add_argument("--short-streams", type=int, default=3000)
+    parser.add_argument("--long-streams", type=int, default=256)
+    parser.add_argument("--long-tokens", type=int, default=512)
+    parser.add_argument("--bystander-tokens", type=int, default=32)
+    parser.add_argument("--head-start", type=float, default=2.0, help="seconds the attacker's load runs before the others send")
+    parser.add_argument("--timeout", type=float, default=180.0, help="client deadline of every request, s")
+    parser.add_argument("--max-first-token", type=float, default=None, help="exit 1 past this first-token wait (s) under attack")
+    parser.add_argument("--max-gap", type=float, default=None, help="exit 1 past this bystander token gap (s) under attack")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 hostile schemas of maxLength 1000, 300 short, "
+                        "48 long streams of 500 tokens, a bystander of 200 tokens")
+    parser.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable), e.g. --max-num-seqs=64")
+    args = parser.parse_args()
+    exit_on_sigterm()  # the service is stopped on SIGTERM too
+    if args.quick:
+        args.hostile, args.max_length, args.short_streams, args.long_streams, args.long_tokens = 2, 1000, 300, 48, 500
+        args.bystander_tokens = 200
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    if unknown := set(scenarios) - set(SCENARIOS):
+        parser.error(f"unknown scenarios {sorted(unknown)}")
+
+    report: dict = {"args": vars(args), "scenarios": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.target:
+            target = args.target
+            ctx = None
+        else:
+            from tests.service.harness import Service
+
+            model = args.model
+            if model is None and args.quick:
+                from bench.fuzz import tiny_model
+
+                model = str(tiny_model(Path(tmp) / "tiny"))
+            keys = Path(tmp) / "keys"
+            keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+            ctx = Service(
+                model, scheduler_args=["--api-key-file", str(keys), *args.scheduler_arg],
+                executor_args=["--num-kv-blocks", "2048"], api_key=KEYS["bystander"],
+            )
+            ctx.start()
+            target = f"127.0.0.1:{ctx.port}"
+        try:
+            for scenario in scenarios:
+                t0 = time.monotonic()
+                result = asyncio.run(scenario_run(target, scenario, args))
+                result["wall_s"] = round(time.monotonic() - t0, 1)
+                report["scenarios"][scenario] = result
+                print(f"{scenario}: {json.dumps(result)}", flush=True)
+                time.sleep(1.0)
+        finally:
+            if ctx is not None:
+                ctx.stop()
+    rows = [
+        [s, r["bystander"]["first_token_s"], r["bystander"]["max_gap_s"], r["bystander"]["status"],
+         r["third"]["first_token_s"], r["third"]["status"], json.dumps(r["attacker"]), r["wall_s"]]
+        for s, r in report["scenarios"].items()
+    ]
+    print(format_table(["scenario", "bystander first token s", "bystander max gap s", "bystander", "third first token s", "third", "attacker", "wall s"], rows))
+    path = write_json(OUT_DIR / f"stall_probe-{timestamp()}.json", report)
+    print(f"wrote {path}")
+    bad = [
+        (s, who, r[who]) for s, r in report["scenarios"].items() for who in ("bystander", "third")
+        if r[who]["status"] != "OK" or r[who]["first_token_s"] is None
+        or (s != "quiet" and args.max_first_token is not None and r[who]["first_token_s"] > args.max_first_token)
+        or (s != "quiet" and who == "bystander" and args.max_gap is not None and (r[who]["max_gap_s"] or 0) > args.max_gap)
+    ]
+    if bad:
+        print(f"failed, or over --max-first-token {args.max_first_token} / --max-gap {args.max_gap} under attack: {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
