@@ -141,6 +141,15 @@ class PoolingScheduler:
         waiting = sum(r.num_tokens for r in self._waiting)
         return not self._waiting or waiting + sum(r.num_tokens for r in requests) <= self.config.step_budget
 
+    def set_waiting_elsewhere(self, heads) -> None:
+        """The engine's fair-share hint (`Scheduler.set_waiting_elsewhere`): nothing to do here. A pooling
+        input holds its slot for one step only, so no tenant can keep the others' inputs out; the
+        engine's queue gives tenants their turns."""
+
+    def holds_back(self, tenant: str) -> bool:
+        """Never: see `set_waiting_elsewhere` (the generation Scheduler's rule is for requests that stay)."""
+        return False
+
     def take_movable(self) -> list[PoolingRequest]:
         """Remove and return every waiting request (none holds anything here), for the engine's queue."""
         movable, self._waiting = self._waiting, []
