@@ -546,8 +546,26 @@ class ModelRunner:
                 except Exception as exc:
                     logger.error("sampling request %s failed: %r", req_id, exc)
                     errors.append(RequestError(req_id, f"sampling failed: {exc!r}"[:500]))
+        sampled = self._without_unsampleable(sampled, errors)
         self.failed.update((e.req_id, e.message) for e in errors)
         return sampled, errors
+
+    def _without_unsampleable(self, sampled: list[SampledToken], errors: list[RequestError]) -> list[SampledToken]:
+        """Fail alone each request whose token came with a log-probability that is not finite, rather than
+        send it: its row allowed no token (a grammar mask of all zeros leaves every logit -inf, so the
+        log-softmax is NaN and the argmax an arbitrary id). A constrained one fails as GRAMMAR_FAILED
+        (INVALID_ARGUMENT naming its constraint), any other as a sampling failure."""
+        bad = {t.req_id for t in sampled if not math.isfinite(t.logprob) or any(math.isnan(v) for _, v in t.top_logprobs)}
+        if not bad:
+            return sampled
+        for req_id in dict.fromkeys(t.req_id for t in sampled if t.req_id in bad):
+            if self.structured and req_id in self.structured:
+                message = f"{GRAMMAR_FAILED}{self.structured.field_of(req_id)}: no token of the vocabulary continues it here"
+            else:
+                message = "sampling failed: no token had a finite log-probability"
+            logger.warning("request %s: %s", req_id, message)
+            errors.append(RequestError(req_id, message))
+        return [t for t in sampled if t.req_id not in bad]
 
     def _without_grammar_failures(
         self, logits: torch.Tensor, row_req_ids: list[str], errors: list[RequestError]
@@ -618,6 +636,7 @@ class ModelRunner:
                     logger.error("verifying request %s failed: %r", req_id, exc)
                     errors.append(RequestError(req_id, f"sampling failed: {exc!r}"[:500]))
                 start = end
+        sampled = self._without_unsampleable(sampled, errors)
         self.failed.update((e.req_id, e.message) for e in errors)
         return sampled, errors
 

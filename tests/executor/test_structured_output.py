@@ -329,3 +329,26 @@ def test_a_pending_request_is_taken_out_and_samples_once_its_grammar_is_ready(de
     assert len(plain.output_token_ids) == 40 and max(step_times) < sum(step_times) / 3  # no step waited for it
     assert constrained.output_token_ids == expected[case.name][1]
     assert structured.num_compiles == 1  # compiled once, though its request was sent several times
+
+
+def test_a_row_the_grammar_leaves_no_token_fails_its_request_alone(default_runner, monkeypatch):
+    """A mask of all zeros (no token of the vocabulary continues the grammar) makes every logit -inf and
+    the log-softmax NaN: the request fails alone as GRAMMAR_FAILED naming its constraint, and no NaN
+    log-probability is sent (the scheduler would drop the whole executor as lying: seen under the fuzzer)."""
+    monkeypatch.setattr(default_runner.structured, "defer", False)
+    dead = NewRequestData("dead-end", [1, 2, 3, 4], 4,
+                          SamplingParams(temperature=0.0, logprobs=True, constraint=Constraint.regex("(yes|no)")), [1], 0)
+    good = NewRequestData("good-neighbour", [1, 2, 3, 4], 4, SamplingParams(temperature=0.0, logprobs=True), [2], 0)
+    bitmask = default_runner.structured.bitmask
+
+    def no_token_for_dead_end(row_req_ids, *args):
+        mask = bitmask(row_req_ids, *args)
+        mask[row_req_ids.index("dead-end")] = 0
+        return mask
+
+    monkeypatch.setattr(default_runner.structured, "bitmask", no_token_for_dead_end)
+    result = default_runner.execute(StepPlan(0, new_requests=[dead, good], num_scheduled_tokens={"dead-end": 4, "good-neighbour": 4}))
+    assert [t.req_id for t in result.sampled] == ["good-neighbour"] and result.sampled[0].logprob <= 0.0
+    assert [e.req_id for e in result.errors] == ["dead-end"]
+    assert result.errors[0].message == f"{GRAMMAR_FAILED}constraint.regex: no token of the vocabulary continues it here"
+    default_runner.execute(StepPlan(1, finished_req_ids=["dead-end", "good-neighbour"]))
