@@ -49,7 +49,10 @@ def main() -> None:
     for thread in threads:
         thread.start()
     print("flooding", flush=True)
-    stop.wait()
+    # Polled: the kernel may deliver SIGTERM to one of gRPC's threads, and then a main thread
+    # blocked in an untimed wait never runs the Python handler (make test's CI hung here once).
+    while not stop.wait(0.2):
+        pass
     for thread in threads:
         thread.join(180)
     print(json.dumps({**codes, "details": sorted(details)}), flush=True)
