@@ -115,6 +115,7 @@ def load_model(
         model = model.to_empty(device=device)
         model.init_buffers()
         load_weights(model, model_dir, read)
+        model.vision = load_vision(config, model_dir, device, dtype)
     if quantization == "int8":
         from executor_svc.quant.gguf_kernel import get_kernel
         from executor_svc.quant.int8_linear import quantize_linears
@@ -124,6 +125,17 @@ def load_model(
             raise UnsupportedModelError("quantization 'int8' needs the C kernel (no compiler here, or the backend's gguf_kernel off)")
         quantize_linears(model, kernel)
     return model.eval()
+
+
+def load_vision(config: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype):
+    """A vision-language checkpoint's tower and projector (`executor_svc.vision.VisionEncoder`), or None."""
+    from executor_svc.vision import VisionEncoder, vision_architectures
+
+    if config.multimodal is None or config.architecture not in vision_architectures():
+        return None
+    encoder = VisionEncoder(config.multimodal, config.architecture, device, dtype)
+    encoder.load(weight_files(model_dir))
+    return encoder
 
 
 def load_weights(model: torch.nn.Module, model_dir: str | Path, read=None) -> None:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     sparse_layers: tuple[bool, ...] | None = None  # which layers' MLP is the MoE block
+    # a vision-language checkpoint's whole transformers config (its vision tower and projector are
+    # built from it: executor_svc.vision); None for a text model
+    multimodal: Any = field(default=None, compare=False, repr=False)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -429,6 +433,7 @@ class DecoderModel(nn.Module):
         for name in ("rotary_cos", "rotary_sin", "local_cos", "local_sin"):
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.lora = None  # the step's adapter rows where adapters are on (executor_svc.lora.LoraState)
+        self.vision = None  # a vision-language model's tower and projector (executor_svc.vision.VisionEncoder)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -477,16 +482,23 @@ class DecoderModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | tuple[AttentionMetadata, ...],
         attention: AttentionBackend,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden, residual), both [T, hidden]: their sum is the last layer's output.
 
         `meta`: one for every layer, or one per layer (each layer's KV cache group's).
+        `mm_embeds`: (rows [N], embeddings [N, hidden]) of a vision-language model's step: the
+        image features that replace the (scaled) embeddings of those rows' placeholder tokens.
         """
         c = self.config
         layer_metas = meta if isinstance(meta, tuple) else (meta,) * len(self.layers)
+        if mm_embeds is not None:  # (a placeholder's id may lie outside the vocabulary: its row is replaced)
+            input_ids = input_ids.index_fill(0, mm_embeds[0], 0)
         hidden = vocab_parallel_embed(self.embed_tokens, input_ids, self.tp)
         if c.embed_scale is not None:
             hidden = hidden * torch.tensor(c.embed_scale, dtype=hidden.dtype)
+        if mm_embeds is not None:
+            hidden = hidden.index_copy(0, mm_embeds[0], mm_embeds[1].to(hidden.dtype))
         tables = (self.rotary_cos.index_select(0, positions), self.rotary_sin.index_select(0, positions))
         local = None
         if c.local_inv_freq is not None:

@@ -46,10 +46,12 @@ from executor_svc.quant.gguf_linear import GGUFLinear
 from executor_svc.sampler import Sampler, SamplingRow
 from executor_svc.spec_decode import verify
 from executor_svc.structured_output import StructuredOutput
+from executor_svc.vision import EncoderCache, ImageError
 from pagoda.model_files import fingerprint, gguf_source
 from pagoda.step import (
     GRAMMAR_FAILED,
     GRAMMAR_PENDING,
+    ImageInput,
     KVCacheGroupSpec,
     NewRequestData,
     RequestError,
@@ -84,7 +86,7 @@ class CachedRequestState:
     Its tokens, blocks and computed count live in its row of the persistent batch
     (`InputBatch`); `token_ids` is also kept as a list, which the sampler's penalties read."""
 
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "row", "adapter", "_batch")
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "row", "adapter", "images", "_batch")
 
     def __init__(self, new: NewRequestData, batch: InputBatch, adapter: int = -1) -> None:
         self.req_id = new.req_id
@@ -92,6 +94,8 @@ class CachedRequestState:
         self.token_ids = list(new.token_ids)  # prompt + generated so far
         self.num_prompt_tokens = new.num_prompt_tokens
         self.sampling: SamplingParams = new.sampling
+        # its images not yet wholly computed, each with its checked tensors (executor_svc.vision)
+        self.images: list[tuple[ImageInput, dict[str, torch.Tensor]]] = []
         self._batch = batch
         self.row = batch.add(self.token_ids, new.block_ids, new.num_computed_tokens)
 
@@ -201,6 +205,7 @@ class ModelRunner:
         enable_lora: bool = False,
         max_lora_rank: int = 64,
         lora_kernels: bool | None = None,
+        encoder_cache_rows: int = 8192,
     ) -> None:
         """`tp`: this runner's rank of a tensor-parallel group (`executor_svc.parallel`), or None.
 
@@ -212,6 +217,9 @@ class ModelRunner:
 
         `enable_lora`: the projections take LoRA adapters (`add_lora`), of rank up to `max_lora_rank`;
         `lora_kernels`: their deltas through Triton's kernels (None: on CUDA).
+
+        `encoder_cache_rows`: a vision-language model's encoder cache holds at most this many
+        image feature rows at once (`executor_svc.vision.EncoderCache`).
         """
         self._device = resolve_device(device)
         if num_threads:  # else torch's default: one thread per physical core
@@ -258,6 +266,7 @@ class ModelRunner:
         windows = tuple(g.sliding_window for g in self.kv_cache_groups)
         self.batch = InputBatch(self.max_model_len, block_size, self._device, sliding_windows=windows)
         self.failed: dict[str, str] = {}  # req id -> why it failed alone; not computed again (see sample)
+        self.encoder_cache = EncoderCache(encoder_cache_rows) if self.model.vision is not None else None
         if num_kv_blocks is None:
             if kv_memory_bytes is None:
                 kv_memory_bytes = (
@@ -355,6 +364,8 @@ class ModelRunner:
         self.batch.clear()
         self.failed.clear()
         self.structured.clear()
+        if self.encoder_cache is not None:
+            self.encoder_cache.clear()
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self._execute(plan, all_logits=False)[0]
@@ -372,13 +383,21 @@ class ModelRunner:
         if plan.block_copies:
             src_dst = torch.tensor([(c.src, c.dst) for c in plan.block_copies], dtype=torch.int64)
             self.attention.copy_blocks(self.kv_cache_tensors, src_dst)
+        if self.encoder_cache is not None:
+            self._encode_images(plan)  # (an image that fails fails its request alone, skipped below)
         plan, earlier_errors = self._skip_failed(plan)
         if plan.total_num_scheduled_tokens == 0:
             return StepResult(step_id=plan.step_id, errors=earlier_errors), {}
         inputs = self.prepare_inputs(plan)
-        hidden, residual = self.backend.forward(
-            self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.model_meta
-        )
+        mm_embeds = self._image_rows(plan, inputs) if self.encoder_cache is not None else None
+        if mm_embeds is None:
+            hidden, residual = self.backend.forward(
+                self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.model_meta
+            )
+        else:  # (the modules: the C decode step takes token ids only)
+            hidden, residual = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.model_meta, self.attention, mm_embeds=mm_embeds
+            )
         per_request: dict[str, torch.Tensor] = {}
         if all_logits:
             logits_all = self.model.compute_logits(hidden, residual)
@@ -414,7 +433,9 @@ class ModelRunner:
         try:
             for new in plan.new_requests:
                 self._drop(new.req_id)  # sent again in full (after a preemption)
-                self.requests[new.req_id] = CachedRequestState(new, self.batch, self._adapter_of(new))
+                self.requests[new.req_id] = state = CachedRequestState(new, self.batch, self._adapter_of(new))
+                if new.images:
+                    self._add_images(state, new.images)
                 if new.sampling.constraint is not None:  # its matcher replays the output so far
                     self.structured.add(new.req_id, new.sampling.constraint, new.token_ids[new.num_prompt_tokens :])
             for cached in plan.cached_requests:
@@ -466,6 +487,115 @@ class ModelRunner:
         if state is not None:
             self.batch.remove(state.row)
             self.structured.remove(req_id)
+            if state.images:
+                self.encoder_cache.release_all(req_id, [image.hash for image, _ in state.images])
+
+    # -- images (a vision-language model's; executor_svc.vision) ----------------------------
+
+    def _add_images(self, state: CachedRequestState, images: tuple[ImageInput, ...]) -> None:
+        """Check a new request's images (each fails the request alone, before any work) and keep
+        those it has still to compute."""
+        vision = self.model.vision
+        if vision is None:
+            self.failed[state.req_id] = f"images: {self.config.architecture} takes no images"
+            return
+        try:
+            end = 0
+            for i, image in enumerate(images):
+                if image.offset < end:
+                    raise ImageError(f"image {i}: its placeholder span starts at {image.offset}, inside the previous one (ending at {end})")
+                end = image.end
+                tensors = vision.check(image, state.token_ids[: state.num_prompt_tokens])
+                if image.end > state.num_computed_tokens:
+                    state.images.append((image, tensors))
+        except (ImageError, ValueError) as exc:
+            state.images = []
+            self.failed[state.req_id] = f"images: {exc}"
+
+    def _encode_images(self, plan: StepPlan) -> None:
+        """Run the vision encoder on every image a scheduled chunk reaches that the encoder cache
+        does not hold (one batch per tensor shape), and hold each such image for its request."""
+        cache, wanted = self.encoder_cache, {}
+        for req_id, n in plan.num_scheduled_tokens.items():
+            state = self.requests.get(req_id)
+            if state is None or not state.images or req_id in self.failed:
+                continue
+            start = state.num_computed_tokens
+            for image, tensors in state.images:
+                if image.offset < start + n and image.end > start:
+                    wanted.setdefault(image.hash, (image, tensors, []))[2].append(req_id)
+        missing = [(h, image, tensors) for h, (image, tensors, _) in wanted.items() if h not in cache]
+        rows_needed = sum(image.length for _, image, _ in missing)
+        if missing and not cache.room_for(rows_needed):
+            for h, image, _ in missing:
+                for req_id in wanted.pop(h)[2]:
+                    self.failed[req_id] = (
+                        f"images: the encoder cache holds {cache.num_rows} of {cache.capacity_rows} rows, "
+                        f"no room for this step's {rows_needed} (the scheduler's encoder budget)"
+                    )
+            missing = []
+        by_shape: dict[tuple, list] = {}
+        for h, image, tensors in missing:
+            by_shape.setdefault(tuple((k, tuple(t.shape), t.dtype) for k, t in sorted(tensors.items())), []).append((h, image, tensors))
+        for group in by_shape.values():
+            names = group[0][2].keys()
+            batch = {name: torch.cat([tensors[name] for _, _, tensors in group]) for name in names}
+            try:
+                features = self.model.vision.encode(batch)
+            except Exception as exc:  # (tensors the tower cannot take: a size it has no positions for, say)
+                logger.warning("encoding %d images failed: %r", len(group), exc)
+                for h, _, _ in group:
+                    for req_id in wanted.pop(h)[2]:
+                        self.failed[req_id] = f"images: the vision encoder failed on image {h[:16]}: {exc!r}"[:500]
+                continue
+            for (h, image, _), rows in zip(group, features, strict=True):
+                if rows.shape[0] != image.length:
+                    for req_id in wanted.pop(h)[2]:
+                        self.failed[req_id] = f"images: image {h[:16]} encodes to {rows.shape[0]} rows, its placeholder span has {image.length}"
+                    continue
+                cache.put(h, rows)
+        for h, (_, _, req_ids) in wanted.items():
+            for req_id in req_ids:
+                if req_id not in self.failed:
+                    cache.hold(h, req_id)
+
+    def _image_rows(self, plan: StepPlan, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat rows, features) of the step's placeholder tokens, from the encoder cache; None when none."""
+        rows, features, bounds = [], [], None
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            if not state.images:
+                continue
+            start, n = state.num_computed_tokens, plan.num_scheduled_tokens[req_id]
+            for image, _ in state.images:
+                lo, hi = max(start, image.offset), min(start + n, image.end)
+                if lo >= hi:
+                    continue
+                if bounds is None:
+                    bounds = inputs.meta.query_start_loc.tolist()
+                rows.append(torch.arange(bounds[i] + lo - start, bounds[i] + hi - start))
+                features.append(self.encoder_cache.get(image.hash)[lo - image.offset : hi - image.offset])
+        if not rows:
+            return None
+        return torch.cat(rows).to(self._device), torch.cat(features)
+
+    def _release_computed_images(self, state: CachedRequestState) -> None:
+        """Free the encoder cache's hold of every image of `state` whose tokens are all computed."""
+        done = [image for image, _ in state.images if image.end <= state.num_computed_tokens]
+        if done:
+            self.encoder_cache.release_all(state.req_id, [image.hash for image in done])
+            state.images = [(image, t) for image, t in state.images if image.end > state.num_computed_tokens]
+
+    def check_encoder_cache(self) -> None:
+        """The encoder cache holds each image exactly for the requests part-way through its tokens."""
+        if self.encoder_cache is None:
+            return
+        live: dict[str, set[str]] = {}
+        for req_id, state in self.requests.items():
+            for image, _ in state.images:
+                if image.offset < state.num_computed_tokens < image.end:
+                    live.setdefault(image.hash, set()).add(req_id)
+        self.encoder_cache.check_integrity(live)
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Gather the step's flat batch from the persistent batch's rows (`InputBatch.gather`)."""
@@ -661,7 +791,10 @@ class ModelRunner:
 
     def finish_step(self, plan: StepPlan, sampled: list[SampledToken]) -> None:
         for req_id, n in plan.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            state = self.requests[req_id]
+            state.num_computed_tokens += n
+            if state.images:
+                self._release_computed_images(state)
         for token in sampled:
             self.requests[token.req_id].append_token(token.token_id)
             self.structured.accept(token.req_id, token.token_id)

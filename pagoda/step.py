@@ -130,6 +130,60 @@ def per_group(block_ids: tuple[list[int], ...] | list[int]) -> tuple[list[int], 
     return (block_ids,)
 
 
+IMAGE_TENSOR_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32")
+
+
+@dataclass(frozen=True)
+class ImageTensor:
+    """One tensor of an image processor's output: raw little-endian bytes in C order (no pickle)."""
+
+    name: str  # the processor's key: "pixel_values", "image_sizes", ...
+    dtype: str  # one of IMAGE_TENSOR_DTYPES
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def from_torch(cls, name: str, tensor) -> ImageTensor:
+        import torch
+
+        t = tensor.detach().to("cpu").contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in IMAGE_TENSOR_DTYPES:
+            raise ValueError(f"{name}: dtype {dtype} (expected one of {IMAGE_TENSOR_DTYPES})")
+        return cls(name, dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    def to_torch(self):
+        """The tensor (a copy); a dtype or a byte count that does not fit raises ValueError naming the tensor."""
+        import math
+
+        import torch
+
+        if self.dtype not in IMAGE_TENSOR_DTYPES:
+            raise ValueError(f"{self.name}: dtype {self.dtype!r} (expected one of {IMAGE_TENSOR_DTYPES})")
+        dtype = getattr(torch, self.dtype)
+        expected = math.prod(self.shape) * dtype.itemsize
+        if len(self.data) != expected:
+            raise ValueError(f"{self.name}: {len(self.data)} bytes, shape {list(self.shape)} of {self.dtype} needs {expected}")
+        if not self.data:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(dtype).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image of a request: its processor tensors, its content hash (hex), and the span of
+    placeholder tokens (`token_ids[offset : offset + length]`) that its encoder output replaces."""
+
+    hash: str
+    offset: int
+    length: int
+    tensors: tuple[ImageTensor, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclass
 class NewRequestData:
     """A request the executor has no state for: sent in full, once (also on resumption).
@@ -145,6 +199,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     lora: str = ""  # the LoRA adapter the request runs with, by name; "" for the base model
+    images: tuple[ImageInput, ...] = ()  # in prompt order (a vision-language model's)
 
     def __post_init__(self) -> None:
         self.block_ids = per_group(self.block_ids)

@@ -10,6 +10,8 @@ from pagoda.constraint import Constraint, ConstraintKind
 from pagoda.step import (
     BlockCopy,
     CachedRequestData,
+    ImageInput,
+    ImageTensor,
     KVCacheGroupSpec,
     NewRequestData,
     PooledOutput,
@@ -116,6 +118,24 @@ def _cached_request_to_proto(r: CachedRequestData) -> pb.CachedRequest:
     return pb.CachedRequest(req_id=r.req_id, new_block_ids=ids[0], group_new_block_ids=_other_groups(ids))
 
 
+def _image_to_proto(image: ImageInput) -> pb.ImageInput:
+    return pb.ImageInput(
+        hash=image.hash,
+        offset=image.offset,
+        length=image.length,
+        tensors=[pb.ImageTensor(name=t.name, dtype=t.dtype, shape=t.shape, data=t.data) for t in image.tensors],
+    )
+
+
+def _image_from_proto(msg: pb.ImageInput) -> ImageInput:
+    return ImageInput(
+        hash=msg.hash,
+        offset=msg.offset,
+        length=msg.length,
+        tensors=tuple(ImageTensor(t.name, t.dtype, tuple(t.shape), t.data) for t in msg.tensors),
+    )
+
+
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
     return pb.StepPlan(
         step_id=plan.step_id,
@@ -129,6 +149,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 num_computed_tokens=r.num_computed_tokens,
                 group_block_ids=_other_groups(r.block_ids),
                 lora=r.lora,
+                images=[_image_to_proto(image) for image in r.images],
             )
             for r in plan.new_requests
         ],
@@ -166,6 +187,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
                 block_ids=_per_group(r.block_ids, r.group_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 lora=r.lora,
+                images=tuple(_image_from_proto(image) for image in r.images),
             )
             for r in msg.new_requests
         ],

@@ -25,7 +25,8 @@ _MODULES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",  # its language model (no images)
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model, and its vision tower (executor_svc.vision)
+    "LlavaForConditionalGeneration": "llava",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 # the architecture of a config without `architectures` (a GGUF file's, read by transformers or
