@@ -85,6 +85,7 @@ class ModelConfig:
     # a vision-language checkpoint's whole transformers config (its vision tower and projector are
     # built from it: executor_svc.vision); None for a text model
     multimodal: Any = field(default=None, compare=False, repr=False)
+    image_bidirectional: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -289,7 +290,32 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, cos, sin, c.rotary_dim, ops)
         out = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **self.options)
+        if meta.image_spans:
+            out = image_attention(out.view(num_tokens, c.num_heads, c.head_dim), q, kv_cache, meta, self.scale, self.sliding_window)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, c.q_size)))
+
+
+def image_attention(out, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """`out` with the rows of queries inside an image (`meta.image_spans`) attended again, to every
+    key before the image's end: transformers' Gemma 3 mask OR(causal, same image), AND its sliding
+    window (key j > position - window) on a sliding layer. Their K and V are in the cache already
+    (the backend wrote this step's), read through the block table."""
+    k_cache, v_cache = kv_cache
+    block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    out = out.clone()
+    for seq, row, num_rows, first_position, end in meta.image_spans:
+        keys = torch.arange(end, device=q.device)
+        slots = meta.block_table[seq, keys // block_size].long() * block_size + keys % block_size
+        k = k_cache.view(-1, kv_heads, head_dim)[slots].to(q.dtype).transpose(0, 1)  # [KVH, end, D]
+        v = v_cache.view(-1, kv_heads, head_dim)[slots].to(q.dtype).transpose(0, 1)
+        query = q[row : row + num_rows].transpose(0, 1)  # [H, Q, D]
+        mask = None
+        if sliding_window is not None:
+            positions = torch.arange(first_position, first_position + num_rows, device=q.device)
+            mask = keys[None, :] > positions[:, None] - sliding_window
+        rows = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=kv_heads != q.shape[1])
+        out[row : row + num_rows] = rows.transpose(0, 1)
+    return out
 
 
 class GatedMLP(nn.Module):

@@ -390,6 +390,8 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, errors=earlier_errors), {}
         inputs = self.prepare_inputs(plan)
         mm_embeds = self._image_rows(plan, inputs) if self.encoder_cache is not None else None
+        if mm_embeds is not None and self.config.image_bidirectional:
+            inputs = self._with_image_spans(plan, inputs)
         if mm_embeds is None:
             hidden, residual = self.backend.forward(
                 self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.model_meta
@@ -522,8 +524,19 @@ class ModelRunner:
                 continue
             start = state.num_computed_tokens
             for image, tensors in state.images:
-                if image.offset < start + n and image.end > start:
+                if image.offset < start + n < image.end and self.config.image_bidirectional:
+                    self.failed[req_id] = (
+                        f"images: {self.config.architecture} attends both ways among an image's tokens, so a step "
+                        f"computes up to the end of an image's placeholder tokens ({image.end}), not to {start + n} "
+                        f"(the scheduler must not end a chunk inside it)"
+                    )
+                elif image.offset < start + n and image.end > start:
                     wanted.setdefault(image.hash, (image, tensors, []))[2].append(req_id)
+        for image_hash in list(wanted):
+            if holders := [r for r in wanted[image_hash][2] if r not in self.failed]:
+                wanted[image_hash][2][:] = holders
+            else:
+                del wanted[image_hash]
         missing = [(h, image, tensors) for h, (image, tensors, _) in wanted.items() if h not in cache]
         rows_needed = sum(image.length for _, image, _ in missing)
         if missing and not cache.room_for(rows_needed):
@@ -578,6 +591,21 @@ class ModelRunner:
         if not rows:
             return None
         return torch.cat(rows).to(self._device), torch.cat(features)
+
+    def _with_image_spans(self, plan: StepPlan, inputs: StepInputs) -> StepInputs:
+        """The step's metadata with the query rows inside each image (`AttentionMetadata.image_spans`)."""
+        spans, bounds = [], inputs.meta.query_start_loc.tolist()
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            start, n = state.num_computed_tokens, plan.num_scheduled_tokens[req_id]
+            for image, _ in state.images:
+                lo = max(start, image.offset)
+                if lo < min(start + n, image.end):
+                    spans.append((i, bounds[i] + lo - start, image.end - lo, lo, image.end))
+        spans = tuple(spans)
+        metas = {id(m): replace(m, image_spans=spans) for m in (inputs.meta, *(inputs.layer_metas or ()))}
+        layer_metas = None if inputs.layer_metas is None else tuple(metas[id(m)] for m in inputs.layer_metas)
+        return replace(inputs, meta=metas[id(inputs.meta)], layer_metas=layer_metas)
 
     def _release_computed_images(self, state: CachedRequestState) -> None:
         """Free the encoder cache's hold of every image of `state` whose tokens are all computed."""

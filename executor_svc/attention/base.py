@@ -31,6 +31,9 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0 (null block)
     max_query_len: int
     max_seq_len: int
+    # Gemma 3's images: each (sequence, first query row, query rows, first query's position, image end)
+    # of a step's queries inside an image, which attend to every key of that image (executor_svc.vision)
+    image_spans: tuple[tuple[int, int, int, int, int], ...] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -2,22 +2,22 @@
 sliding layers (`rope_parameters["sliding_attention"]`, the local base); five sliding layers to one
 full by default (`layer_types`).
 
-`Gemma3ForConditionalGeneration` (the 4B/12B/27B checkpoints: `text_config` + `vision_config`)
-is served as its language model: the config's `text_config`, the weights under
+`Gemma3ForConditionalGeneration` (the 4B/12B/27B checkpoints: `text_config` + `vision_config`):
+its language model is this decoder, from the config's `text_config`, the weights under
 `language_model.model.*` / `model.language_model.*` (the layout depends on the transformers
-version that saved it) read as the text model's, the vision tower and projector skipped.
+version that saved it) read as the text model's; the SigLIP tower and the projector (average
+pool to `mm_tokens_per_image` soft tokens) are transformers' own, loaded beside it
+(`executor_svc.vision`). As in transformers, an image's soft tokens attend to each other both
+ways (`ModelConfig.image_bidirectional`); text-only requests run exactly as the text model.
 """
 
 from __future__ import annotations
-
-import logging
 
 from executor_svc.model import DecoderModel, ModelConfig
 from executor_svc.model import weight_target as text_weight_target
 from executor_svc.models import ModelFamily
 from executor_svc.models.hf_config import base_fields, check_activation, rope, unsupported
 
-log = logging.getLogger(__name__)
 
 MULTIMODAL = "Gemma3ForConditionalGeneration"
 # a multimodal checkpoint's language-model prefixes -> the text model's
@@ -28,7 +28,6 @@ _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tow
 def read_config(hf, architecture: str) -> ModelConfig:
     top = hf
     if architecture == MULTIMODAL:
-        log.info("%s: serving the text model only; images are not served (vision tower skipped)", architecture)
         hf = top.get_text_config()
     if getattr(hf, "use_bidirectional_attention", False):
         raise unsupported("use_bidirectional_attention: only causal attention is supported")
@@ -56,12 +55,15 @@ def read_config(hf, architecture: str) -> ModelConfig:
         embed_scale=hf.hidden_size**0.5,
         attn_scale=hf.query_pre_attn_scalar**-0.5,
         final_logit_softcap=hf.final_logit_softcapping,
+        multimodal=top if top is not hf else None,
+        image_bidirectional=top is not hf,
     )
 
 
 def weight_target(name: str, config: ModelConfig):
     """The text model's target (`layers.weight_target`) of a checkpoint tensor; a multimodal
-    checkpoint's language-model names are read as the text model's, its vision weights skipped."""
+    checkpoint's language-model names are read as the text model's, its vision weights skipped
+    (they are the tower's: `executor_svc.vision.VisionEncoder.load`)."""
     if name.startswith(_VISION_PREFIXES):
         return None
     for prefix, text in _TEXT_PREFIXES.items():

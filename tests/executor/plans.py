@@ -24,6 +24,7 @@ class _Request:
     max_tokens: int
     chunk_sizes: list[int]
     start_step: int
+    images: tuple = ()
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     sent: bool = False
@@ -52,9 +53,10 @@ class PlanBuilder:
         sampling: SamplingParams = GREEDY,
         chunk_sizes: list[int] | None = None,
         start_step: int = 0,
+        images: tuple = (),
     ) -> None:
         self.requests[req_id] = _Request(
-            req_id, list(prompt), len(prompt), sampling, max_tokens, chunk_sizes or [len(prompt)], start_step
+            req_id, list(prompt), len(prompt), sampling, max_tokens, chunk_sizes or [len(prompt)], start_step, tuple(images)
         )
         self.outputs[req_id] = []
 
@@ -84,6 +86,7 @@ class PlanBuilder:
                         r.sampling,
                         list(r.block_ids),
                         r.num_computed_tokens,
+                        images=r.images,
                     )
                 )
             elif new_blocks:

@@ -1,0 +1,303 @@
+"""Images in, at the model runner (issue 40): LLaVA and Gemma 3 with their vision towers, against transformers.
+
+Tiny random `LlavaForConditionalGeneration` (CLIP tower, MLP projector, feature layer -2, the
+"default" strategy dropping CLS) and `Gemma3ForConditionalGeneration` (SigLIP tower, pooled to 4
+soft tokens, an image's tokens attending both ways) with processors built here: the default
+model's tokenizer with the image tokens added, transformers' PIL image processors sized small.
+Images drawn with PIL in two sizes and aspect ratios. The plans (tests/executor/plans.py) go
+through the wire protobufs, so `ImageInput` is tested as the executor receives it. Every
+computed row's log-probabilities equal transformers' forward on the same pixels (its Gemma 3
+mask from `token_type_ids`), and greedy equals its `generate`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from executor_svc.model_runner import ModelRunner
+from pagoda import wire
+from pagoda.step import ImageInput, ImageTensor, KVCacheGroupSpec
+from pagoda.v1 import executor_pb2 as pb
+from tests.executor.plans import PlanBuilder, run_to_completion
+from tests.model_families import tiny_config
+
+MAX_TOKENS = 6
+BLOCK_SIZE = 4
+NUM_BLOCKS = 128
+
+
+def draw(width: int, height: int, color: tuple[int, int, int]) -> Image.Image:
+    image = Image.new("RGB", (width, height), color)
+    pen = ImageDraw.Draw(image)
+    pen.ellipse((width // 5, height // 4, 4 * width // 5, 3 * height // 4), fill=(255 - color[0], color[2], color[1]))
+    pen.line((0, height - 1, width - 1, 0), fill=(color[1], 255 - color[2], color[0]), width=3)
+    return image
+
+
+IMAGES = {"wide": draw(48, 30, (200, 30, 60)), "tall": draw(22, 40, (20, 160, 220))}
+
+
+def perturb_and_save(model, tokenizer, out_dir):
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:  # norms and biases away from their init, as tests/model_families.py does
+                param.add_(torch.randn_like(param) * 0.3)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, default_model_dir):
+    """(folder, processor, transformers' model) of a tiny LLaVA: 32 px images, 8 px patches, 16 image tokens."""
+    import transformers as T
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer = T.AutoTokenizer.from_pretrained(str(default_model_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    processor = T.LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+    )
+    text = T.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=32, patch_size=8, projection_dim=32)
+    config = T.LlavaConfig(text_config=text, vision_config=vision, image_token_id=processor.image_token_id,
+                           vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    torch.manual_seed(0)
+    out_dir = tmp_path_factory.mktemp("llava")
+    model = perturb_and_save(T.LlavaForConditionalGeneration(config), tokenizer, out_dir)
+    return out_dir, processor, model
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, default_model_dir):
+    """(folder, processor, transformers' model) of a tiny Gemma 3: 28 px images, 14 px patches pooled to 4 soft tokens."""
+    import transformers as T
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = T.AutoTokenizer.from_pretrained(
+        str(default_model_dir),
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+    )
+    processor = T.Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}, do_pan_and_scan=False),
+        tokenizer=tokenizer, image_seq_length=4,
+    )
+    text = tiny_config("gemma3")  # three windowed layers (window 16) then one full
+    text.vocab_size = len(tokenizer)
+    vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=28, patch_size=14)
+    config = T.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                            boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+                            image_token_index=tokenizer.image_token_id, eos_token_id=2)
+    torch.manual_seed(1)
+    out_dir = tmp_path_factory.mktemp("gemma3")
+    model = T.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # (initialised to zeros: images would change nothing)
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
+    model = perturb_and_save(model, tokenizer, out_dir)
+    return out_dir, processor, model
+
+
+def runner_of(model_dir, one_group: bool = False) -> ModelRunner:
+    # one_group: every layer on one block table (the plans here hold one), sliding layers still windowed
+    groups = (KVCacheGroupSpec(tuple(range(4)), None),) if one_group else None
+    return ModelRunner(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS,
+                       kv_cache_groups=groups, encoder_cache_rows=64)
+
+
+def processed(processor, text: str, image: Image.Image | None):
+    return processor(text=text, images=image, return_tensors="pt")
+
+
+def image_inputs(inputs, image_token_id: int) -> tuple[ImageInput, ...]:
+    """The processor's output as the scheduler sends it: one ImageInput a run of image tokens."""
+    ids = inputs["input_ids"][0].tolist()
+    spans, start = [], None
+    for i, t in enumerate([*ids, -1]):
+        if t == image_token_id and start is None:
+            start = i
+        elif t != image_token_id and start is not None:
+            spans.append((start, i - start))
+            start = None
+    pixels = inputs["pixel_values"]
+    assert len(spans) == pixels.shape[0]
+    return tuple(
+        ImageInput(hashlib.sha256(pixels[i].numpy().tobytes()).hexdigest(), offset, length,
+                   (ImageTensor.from_torch("pixel_values", pixels[i : i + 1]),))
+        for i, (offset, length) in enumerate(spans)
+    )
+
+
+def serve(runner: ModelRunner, requests: dict[str, tuple], max_tokens: int = MAX_TOKENS):
+    """Run `requests` (id -> (token ids, images, chunk sizes)) in one batch through the wire; returns
+    (generated tokens, every computed row's logits per request, errors). The encoder cache is checked every step."""
+    builder = PlanBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    for req_id, (ids, images, chunks) in requests.items():
+        builder.add(req_id, ids, max_tokens, chunk_sizes=chunks, images=images)
+    rows: dict[str, list[torch.Tensor]] = {r: [] for r in requests}
+    errors = []
+
+    def step(plan):
+        sent = wire.plan_from_proto(pb.StepPlan.FromString(wire.plan_to_proto(plan).SerializeToString()))
+        result, logits = runner.execute_with_logits(sent)
+        runner.check_encoder_cache()
+        errors.extend(result.errors)
+        for req_id, rows_of in logits.items():
+            rows[req_id].append(rows_of)
+        return result
+
+    update = builder.update
+
+    def update_and_stop_failed(plan, result):
+        update(plan, result)
+        for error in result.errors:
+            if error.req_id in builder.requests:
+                builder._finish(error.req_id)
+
+    builder.update = update_and_stop_failed
+
+    outputs = run_to_completion(runner, builder, max_steps=200, on_step=step)
+    runner.check_encoder_cache()
+    assert runner.encoder_cache is None or runner.encoder_cache.num_rows == 0  # freed once computed
+    return outputs, {r: torch.cat(v) for r, v in rows.items() if v}, errors
+
+
+def reference(model, inputs, max_tokens: int = MAX_TOKENS) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens, and its log-probabilities of every row of prompt + output[:-1]."""
+    kwargs = {k: v for k, v in inputs.items() if k != "attention_mask"}
+    with torch.no_grad():
+        out = model.generate(**kwargs, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
+        tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+        full = dict(kwargs, input_ids=out[:, :-1])
+        if "token_type_ids" in kwargs:  # (the generated tokens are text)
+            full["token_type_ids"] = torch.nn.functional.pad(kwargs["token_type_ids"], (0, max_tokens - 1))
+        logits = model(**full).logits[0].float()
+    return tokens, logits.log_softmax(-1)
+
+
+def assert_equal_to_reference(outputs, rows, req_id, expected) -> None:
+    tokens, logprobs = expected
+    assert outputs[req_id] == tokens, req_id
+    torch.testing.assert_close(rows[req_id].log_softmax(-1), logprobs, atol=1e-4, rtol=1e-5)
+
+
+# ---- LLaVA ---------------------------------------------------------------------------------
+
+PROMPT = "USER: <image>\nWhat is drawn here, and in which colours? ASSISTANT:"
+
+
+def test_llava_two_images_in_one_batch_equal_transformers(llava):
+    """Two requests, the same text with another image each, in one batch: greedy and every row's
+    log-probabilities equal transformers' on the same pixels; the images change the answer."""
+    model_dir, processor, model = llava
+    runner = runner_of(model_dir)
+    image_id = processor.image_token_id
+    inputs = {name: processed(processor, PROMPT, IMAGES[name]) for name in IMAGES}
+    expected = {name: reference(model, inputs[name]) for name in IMAGES}
+    assert not torch.allclose(expected["wide"][1], expected["tall"][1], atol=1e-2)  # another image, another answer
+    requests = {name: (inputs[name]["input_ids"][0].tolist(), image_inputs(inputs[name], image_id), None) for name in IMAGES}
+    assert all(len(images) == 1 and images[0].length == 16 for _, images, _ in requests.values())
+    outputs, rows, errors = serve(runner, requests)
+    assert not errors
+    for name in IMAGES:
+        assert_equal_to_reference(outputs, rows, name, expected[name])
+    assert runner.encoder_cache.num_encoded == 2
+
+
+def test_llava_chunked_prefill_through_an_image(llava):
+    """Chunks that end inside the image (3, 5 and 7 tokens of its 16): the encoder runs once, its
+    rows stay in the cache until the last placeholder is computed; two images in one prompt, the
+    same image in a second request shares its entry; a text-only request is the text model's."""
+    model_dir, processor, model = llava
+    runner = runner_of(model_dir)
+    image_id = processor.image_token_id
+    two = processed(processor, "USER: <image> and <image>: which is wider? ASSISTANT:", [IMAGES["wide"], IMAGES["tall"]])
+    one = processed(processor, PROMPT, IMAGES["wide"])
+    text = processed(processor, "USER: no picture this time. ASSISTANT:", None)
+    first = image_inputs(two, image_id)
+    assert len(first) == 2
+    chunks = [first[0].offset + 3, 5, 7, 9, 100]
+    requests = {
+        "two": (two["input_ids"][0].tolist(), first, chunks),
+        "one": (one["input_ids"][0].tolist(), image_inputs(one, image_id), [first[0].offset + 5, 4]),
+        "text": (text["input_ids"][0].tolist(), (), [3]),
+    }
+    outputs, rows, errors = serve(runner, requests)
+    assert not errors
+    assert runner.encoder_cache.num_encoded == 2  # the wide image once for both requests, the tall one once
+    for name, inputs in (("two", two), ("one", one), ("text", text)):
+        assert_equal_to_reference(outputs, rows, name, reference(model, inputs))
+
+
+def test_llava_images_checked_before_any_work(llava, default_model_dir):
+    """A span that is not all image tokens, tensors the model does not take, an encoder cache too
+    small: each fails its request alone, naming images; a text model given an image too."""
+    model_dir, processor, _ = llava
+    runner = runner_of(model_dir)
+    inputs = processed(processor, PROMPT, IMAGES["wide"])
+    ids = inputs["input_ids"][0].tolist()
+    (good,) = image_inputs(inputs, processor.image_token_id)
+    shifted = ImageInput(good.hash, good.offset - 1, good.length, good.tensors)
+    extra = ImageInput(good.hash, good.offset, good.length, (*good.tensors, ImageTensor.from_torch("image_grid_thw", torch.ones(1, 3, dtype=torch.int64))))
+    short = ImageInput(good.hash, good.offset, good.length, (ImageTensor("pixel_values", "float32", (1, 3, 32, 32), b"\0" * 12),))
+    requests = {"shifted": (ids, (shifted,), None), "extra": (ids, (extra,), None), "short": (ids, (short,), None),
+                "good": (ids, (good,), None)}
+    outputs, _, errors = serve(runner, requests, max_tokens=2)
+    messages = {e.req_id: e.message for e in errors}
+    assert set(messages) == {"shifted", "extra", "short"}
+    assert all(m.startswith("images: ") for m in messages.values())
+    assert "not all the image token" in messages["shifted"] and "image_grid_thw" in messages["extra"]
+    assert "bytes" in messages["short"] and len(outputs["good"]) == 2
+
+    small = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, encoder_cache_rows=8)
+    _, _, errors = serve(small, {"big": (ids, (good,), None)}, max_tokens=1)
+    assert [e.req_id for e in errors] == ["big"] and "encoder cache" in errors[0].message
+
+    text_runner = ModelRunner(default_model_dir, device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
+    _, _, errors = serve(text_runner, {"t": ([1, 2, 3, 4], (ImageInput(good.hash, 1, 2, good.tensors),), None)}, max_tokens=1)
+    assert [e.req_id for e in errors] == ["t"] and "takes no images" in errors[0].message
+
+
+# ---- Gemma 3 -------------------------------------------------------------------------------
+
+GEMMA_PROMPT = "Here is a picture that I took on my walk this morning, near the river; please describe it in a few words: <start_of_image> What do you see?"
+
+
+def test_gemma3_images_equal_transformers_with_bidirectional_image_attention(gemma3):
+    """Two images in one batch and a text-only request: every row's log-probabilities equal
+    transformers' (its mask lets an image's soft tokens see each other) on sliding and full layers;
+    a chunk may end at an image's end but not inside it (its request fails alone)."""
+    model_dir, processor, model = gemma3
+    runner = runner_of(model_dir, one_group=True)
+    image_id = processor.tokenizer.image_token_id
+    inputs = {name: processed(processor, GEMMA_PROMPT, IMAGES[name]) for name in IMAGES}
+    text = processed(processor, "A question without a picture: what comes next?", None)
+    expected = {name: reference(model, inputs[name]) for name in IMAGES}
+    assert not torch.allclose(expected["wide"][1], expected["tall"][1], atol=1e-2)
+    causal = reference(model, {k: v for k, v in inputs["wide"].items() if k != "token_type_ids"})
+    assert not torch.allclose(expected["wide"][1], causal[1], atol=1e-3)  # the image's two-way mask matters
+    images = {name: image_inputs(inputs[name], image_id) for name in IMAGES}
+    offset = images["wide"][0].offset
+    assert images["wide"][0].length == 4 and offset > 16  # the image's rows past the window of 16: sliding layers count
+    requests = {
+        "wide": (inputs["wide"]["input_ids"][0].tolist(), images["wide"], [offset + 4, 100]),  # a chunk ends at the image's end
+        "tall": (inputs["tall"]["input_ids"][0].tolist(), images["tall"], None),
+        "text": (text["input_ids"][0].tolist(), (), [5]),
+    }
+    outputs, rows, errors = serve(runner, requests)
+    assert not errors
+    for name in IMAGES:
+        assert_equal_to_reference(outputs, rows, name, expected[name])
+    assert_equal_to_reference(outputs, rows, "text", reference(model, text))
+
+    ids = requests["wide"][0]
+    _, _, errors = serve(runner, {"split": (ids, images["wide"], [offset + 2, 100])}, max_tokens=1)
+    assert [e.req_id for e in errors] == ["split"] and "not to" in errors[0].message
