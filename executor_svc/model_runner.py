@@ -501,6 +501,9 @@ class ModelRunner:
         if vision is None:
             self.failed[state.req_id] = f"images: {self.config.architecture} takes no images"
             return
+        if self.config.image_bidirectional and self.kv_cache_dtype != self.dtype:  # (model.image_attention reads it unscaled)
+            self.failed[state.req_id] = f"images: {self.config.architecture}'s images need a KV cache in the model's dtype, not {self.kv_cache_dtype}"
+            return
         try:
             end = 0
             for i, image in enumerate(images):

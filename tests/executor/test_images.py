@@ -136,13 +136,24 @@ def image_inputs(inputs, image_token_id: int) -> tuple[ImageInput, ...]:
     )
 
 
-def serve(runner: ModelRunner, requests: dict[str, tuple], max_tokens: int = MAX_TOKENS):
+def serve(runner: ModelRunner, requests: dict[str, tuple], max_tokens: int = MAX_TOKENS, preempt: dict[int, str] | None = None):
     """Run `requests` (id -> (token ids, images, chunk sizes)) in one batch through the wire; returns
-    (generated tokens, every computed row's logits per request, errors). The encoder cache is checked every step."""
+    (generated tokens, every computed row's logits per request, errors). The encoder cache is checked every step.
+    `preempt`: step -> a request preempted before it (sent again in full, its rows so far dropped)."""
     builder = PlanBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    rows: dict[str, list[torch.Tensor]] = {r: [] for r in requests}
     for req_id, (ids, images, chunks) in requests.items():
         builder.add(req_id, ids, max_tokens, chunk_sizes=chunks, images=images)
-    rows: dict[str, list[torch.Tensor]] = {r: [] for r in requests}
+    next_plan = builder.next_plan
+
+    def next_plan_preempting():
+        victim = (preempt or {}).get(builder.step_id)
+        if victim is not None:
+            builder.preempt(victim)
+            rows[victim].clear()
+        return next_plan()
+
+    builder.next_plan = next_plan_preempting
     errors = []
 
     def step(plan):
@@ -233,8 +244,14 @@ def test_llava_chunked_prefill_through_an_image(llava):
     outputs, rows, errors = serve(runner, requests)
     assert not errors
     assert runner.encoder_cache.num_encoded == 2  # the wide image once for both requests, the tall one once
-    for name, inputs in (("two", two), ("one", one), ("text", text)):
-        assert_equal_to_reference(outputs, rows, name, reference(model, inputs))
+    expected = {name: reference(model, inputs) for name, inputs in (("two", two), ("one", one), ("text", text))}
+    for name in expected:
+        assert_equal_to_reference(outputs, rows, name, expected[name])
+
+    # preempted with its first image half computed (its hold freed), then sent again: encoded again, the same answer
+    outputs, rows, errors = serve(runner, {"two": requests["two"]}, preempt={1: "two"})
+    assert not errors and runner.encoder_cache.num_encoded == 2 + 3
+    assert_equal_to_reference(outputs, rows, "two", expected["two"])
 
 
 def test_llava_images_checked_before_any_work(llava, default_model_dir):
