@@ -12,14 +12,13 @@ mask from `token_type_ids`), and greedy equals its `generate`.
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 from PIL import Image, ImageDraw
 
 from executor_svc.model_runner import ModelRunner
 from pagoda import wire
+from pagoda.images import image_inputs as images_of
 from pagoda.step import ImageInput, ImageTensor, KVCacheGroupSpec
 from pagoda.v1 import executor_pb2 as pb
 from tests.executor.plans import PlanBuilder, run_to_completion
@@ -118,22 +117,8 @@ def processed(processor, text: str, image: Image.Image | None):
 
 
 def image_inputs(inputs, image_token_id: int) -> tuple[ImageInput, ...]:
-    """The processor's output as the scheduler sends it: one ImageInput a run of image tokens."""
-    ids = inputs["input_ids"][0].tolist()
-    spans, start = [], None
-    for i, t in enumerate([*ids, -1]):
-        if t == image_token_id and start is None:
-            start = i
-        elif t != image_token_id and start is not None:
-            spans.append((start, i - start))
-            start = None
-    pixels = inputs["pixel_values"]
-    assert len(spans) == pixels.shape[0]
-    return tuple(
-        ImageInput(hashlib.sha256(pixels[i].numpy().tobytes()).hexdigest(), offset, length,
-                   (ImageTensor.from_torch("pixel_values", pixels[i : i + 1]),))
-        for i, (offset, length) in enumerate(spans)
-    )
+    """The processor's output as the scheduler sends it (`pagoda.images`): one ImageInput a run of image tokens."""
+    return images_of(inputs["input_ids"][0].tolist(), inputs, image_token_id)
 
 
 def serve(runner: ModelRunner, requests: dict[str, tuple], max_tokens: int = MAX_TOKENS, preempt: dict[int, str] | None = None):

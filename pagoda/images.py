@@ -1,0 +1,43 @@
+"""A processor's output as the step protocol's `ImageInput`s (the scheduler's side of issue 40).
+
+transformers' processor (its PIL image processor: `use_fast=False` or the `...ImageProcessorPil`
+classes, torchvision not being installed) expands each image's placeholder into its run of image
+tokens and returns the pixels of every image on dim 0; `image_inputs` cuts that into one
+`ImageInput` an image: its tensors, the span of its image tokens in the prompt and a content hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pagoda.step import ImageInput, ImageTensor
+
+
+def placeholder_spans(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of `image_token_id` in `token_ids`, in order."""
+    spans, start = [], None
+    for i, token in enumerate([*token_ids, -1]):
+        if token == image_token_id and start is None:
+            start = i
+        elif token != image_token_id and start is not None:
+            spans.append((start, i - start))
+            start = None
+    return spans
+
+
+def image_inputs(token_ids: list[int], features, image_token_id: int, hashes: list[str] | None = None) -> tuple[ImageInput, ...]:
+    """One `ImageInput` a run of image tokens of `token_ids` (one prompt's processor output
+    `features`: "pixel_values" [images, C, H, W], and "image_sizes" where the processor gives it).
+
+    `hashes`: each image's content hash (hex); by default the SHA-256 of its pixel values' bytes."""
+    spans = placeholder_spans(token_ids, image_token_id)
+    pixels = features["pixel_values"]
+    if len(spans) != pixels.shape[0]:
+        raise ValueError(f"{len(spans)} runs of the image token {image_token_id}, {pixels.shape[0]} images of pixel values")
+    per_image = [name for name in ("pixel_values", "image_sizes") if name in features]
+    inputs = []
+    for i, (offset, length) in enumerate(spans):
+        tensors = tuple(ImageTensor.from_torch(name, features[name][i : i + 1]) for name in per_image)
+        digest = hashes[i] if hashes is not None else hashlib.sha256(tensors[0].data).hexdigest()
+        inputs.append(ImageInput(digest, offset, length, tensors))
+    return tuple(inputs)
