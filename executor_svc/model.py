@@ -86,6 +86,9 @@ class ModelConfig:
     # built from it: executor_svc.vision); None for a text model
     multimodal: Any = field(default=None, compare=False, repr=False)
     image_bidirectional: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
+    # Qwen2.5-VL's multimodal rotary: how many of the head_dim // 2 frequencies turn with the
+    # (time, height, width) positions; positions are then [3, T]
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -426,6 +429,16 @@ def rotary_tables(inv_freq: tuple[float, ...], scaling: float, max_positions: in
     return freqs.cos() * scaling, freqs.sin() * scaling
 
 
+def mrope_table(table: torch.Tensor, positions: torch.Tensor, section: tuple[int, ...]) -> torch.Tensor:
+    """[T, head_dim // 2]: the first section[0] columns at positions[0] (time), the next section[1]
+    at positions[1] (height), the last at positions[2] (width), as transformers' Qwen2.5-VL rotary."""
+    parts, start = [], 0
+    for axis, width in enumerate(section):
+        parts.append(table[:, start : start + width].index_select(0, positions[axis]))
+        start += width
+    return torch.cat(parts, dim=-1)
+
+
 class DecoderModel(nn.Module):
     """Embedding (scaled for Gemma), decoder layers, final norm and LM head (tied to the embedding
     or not; soft-capped for Gemma 2).
@@ -525,7 +538,10 @@ class DecoderModel(nn.Module):
             hidden = hidden * torch.tensor(c.embed_scale, dtype=hidden.dtype)
         if mm_embeds is not None:
             hidden = hidden.index_copy(0, mm_embeds[0], mm_embeds[1].to(hidden.dtype))
-        tables = (self.rotary_cos.index_select(0, positions), self.rotary_sin.index_select(0, positions))
+        if positions.ndim == 2:  # [3, T] multimodal rotary: each frequency's part turned by its position
+            tables = (mrope_table(self.rotary_cos, positions, c.mrope_section), mrope_table(self.rotary_sin, positions, c.mrope_section))
+        else:
+            tables = (self.rotary_cos.index_select(0, positions), self.rotary_sin.index_select(0, positions))
         local = None
         if c.local_inv_freq is not None:
             local = (self.local_cos.index_select(0, positions), self.local_sin.index_select(0, positions))

@@ -86,7 +86,7 @@ class CachedRequestState:
     Its tokens, blocks and computed count live in its row of the persistent batch
     (`InputBatch`); `token_ids` is also kept as a list, which the sampler's penalties read."""
 
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "row", "adapter", "images", "_batch")
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "row", "adapter", "images", "rope", "_batch")
 
     def __init__(self, new: NewRequestData, batch: InputBatch, adapter: int = -1) -> None:
         self.req_id = new.req_id
@@ -96,6 +96,7 @@ class CachedRequestState:
         self.sampling: SamplingParams = new.sampling
         # its images not yet wholly computed, each with its checked tensors (executor_svc.vision)
         self.images: list[tuple[ImageInput, dict[str, torch.Tensor]]] = []
+        self.rope: tuple[torch.Tensor, int] | None = None  # Qwen2.5-VL: its prompt's [3, P] positions, later tokens' offset
         self._batch = batch
         self.row = batch.add(self.token_ids, new.block_ids, new.num_computed_tokens)
 
@@ -392,7 +393,11 @@ class ModelRunner:
         mm_embeds = self._image_rows(plan, inputs) if self.encoder_cache is not None else None
         if mm_embeds is not None and self.config.image_bidirectional:
             inputs = self._with_image_spans(plan, inputs)
-        if mm_embeds is None:
+        if self.config.mrope_section is not None:  # (the modules: [3, T] positions)
+            hidden, residual = self.model(
+                inputs.input_ids, self._rope_positions(plan, inputs), self.kv_caches, inputs.model_meta, self.attention, mm_embeds=mm_embeds
+            )
+        elif mm_embeds is None:
             hidden, residual = self.backend.forward(
                 self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.model_meta
             )
@@ -505,14 +510,17 @@ class ModelRunner:
             self.failed[state.req_id] = f"images: {self.config.architecture}'s images need a KV cache in the model's dtype, not {self.kv_cache_dtype}"
             return
         try:
-            end = 0
+            end, grids = 0, []
             for i, image in enumerate(images):
                 if image.offset < end:
                     raise ImageError(f"image {i}: its placeholder span starts at {image.offset}, inside the previous one (ending at {end})")
                 end = image.end
                 tensors = vision.check(image, state.token_ids[: state.num_prompt_tokens])
+                grids.append(tensors.get("image_grid_thw"))
                 if image.end > state.num_computed_tokens:
                     state.images.append((image, tensors))
+            if self.config.mrope_section is not None:
+                state.rope = vision.rope_positions(state.token_ids[: state.num_prompt_tokens], grids)
         except (ImageError, ValueError) as exc:
             state.images = []
             self.failed[state.req_id] = f"images: {exc}"
@@ -594,6 +602,23 @@ class ModelRunner:
         if not rows:
             return None
         return torch.cat(rows).to(self._device), torch.cat(features)
+
+    def _rope_positions(self, plan: StepPlan, inputs: StepInputs) -> torch.Tensor:
+        """[3, T] multimodal rotary positions: a request with images reads its prompt's (then index +
+        offset), any other token has its index three times."""
+        positions = inputs.positions.expand(3, -1).clone()
+        bounds = None
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            if state.rope is None:
+                continue
+            if bounds is None:
+                bounds = inputs.meta.query_start_loc.tolist()
+            table, delta = state.rope
+            index = torch.arange(state.num_computed_tokens, state.num_computed_tokens + bounds[i + 1] - bounds[i])
+            rows = torch.where(index < table.shape[1], table[:, index.clamp(max=table.shape[1] - 1)], index + delta)
+            positions[:, bounds[i] : bounds[i + 1]] = rows.to(positions.device)
+        return positions
 
     def _with_image_spans(self, plan: StepPlan, inputs: StepInputs) -> StepInputs:
         """The step's metadata with the query rows inside each image (`AttentionMetadata.image_spans`)."""

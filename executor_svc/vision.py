@@ -3,7 +3,8 @@
 The tower and projector are transformers' own modules, built from the checkpoint's config
 and filled from its weights; `VisionEncoder.encode` calls the model class's own
 `get_image_features` on them (LLaVA's feature layer and select strategy, Gemma 3's average
-pool to 256 soft tokens), so the features are transformers' to the bit. The decoder
+pool to 256 soft tokens, Qwen2.5-VL's windowed transformer and patch merger; its `get_rope_index`
+gives a prompt's 3-D rotary positions), so the features are transformers' to the bit. The decoder
 (`executor_svc.model.DecoderModel`) then takes each image's rows in place of the embeddings
 of its placeholder tokens (`ImageInput.offset`, `length`)::
 
@@ -37,9 +38,10 @@ class ImageError(ValueError):
     """An image of a request that the executor cannot encode or place (its request fails alone)."""
 
 
-def _holder_class(base_model_class, parts: dict[str, Any]):
+def _holder_class(base_model_class, parts: dict[str, Any], methods: tuple[str, ...] = ()):
     """A transformers `PreTrainedModel` of the multimodal config holding only the vision parts
-    (`parts`: attribute -> factory of the config), with the base model's `get_image_features`."""
+    (`parts`: attribute -> factory of the config), with the base model's `get_image_features`
+    (and its `methods`)."""
 
     pretrained = base_model_class.__mro__[1]  # e.g. LlavaPreTrainedModel
 
@@ -52,6 +54,8 @@ def _holder_class(base_model_class, parts: dict[str, Any]):
 
         get_image_features = base_model_class.get_image_features
 
+    for name in methods:
+        setattr(VisionParts, name, getattr(base_model_class, name))
     VisionParts.__name__ = f"{base_model_class.__name__}VisionParts"
     return VisionParts
 
@@ -76,13 +80,24 @@ def _gemma3_parts():
     )
 
 
+def _qwen2_5_vl_parts():
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VLModel
+
+    return _holder_class(
+        Qwen2_5_VLModel,
+        {"visual": lambda c: Qwen2_5_VisionTransformerPretrainedModel._from_config(c.vision_config)},
+        ("get_rope_index", "get_vision_position_ids"),
+    )
+
+
 # architecture -> (the holder class's factory, the processor tensors its get_image_features takes)
 _FAMILIES = {
     "LlavaForConditionalGeneration": (_llava_parts, ("pixel_values", "image_sizes")),
     "Gemma3ForConditionalGeneration": (_gemma3_parts, ("pixel_values",)),
+    "Qwen2_5_VLForConditionalGeneration": (_qwen2_5_vl_parts, ("pixel_values", "image_grid_thw")),
 }
 # where a checkpoint keeps the vision parts (the layout depends on the transformers version that saved it)
-_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.", "model.visual.", "visual.")
 
 
 def vision_architectures() -> tuple[str, ...]:
@@ -153,13 +168,28 @@ class VisionEncoder(nn.Module):
             raise ImageError(f"image {image.hash[:16]}: tensors {names} (this model takes {list(self.tensor_names)}, each once)")
         tensors = {t.name: t.to_torch() for t in image.tensors}
         pixels = tensors["pixel_values"]
-        if pixels.ndim != 4 or pixels.shape[0] != 1 or not pixels.is_floating_point():
+        if "image_grid_thw" in self.tensor_names:  # patches flattened: [t * h * w, C * T * P * P]
+            grid = tensors.get("image_grid_thw")
+            if grid is None or grid.shape != (1, 3) or grid.is_floating_point():
+                raise ImageError(f"image {image.hash[:16]}: image_grid_thw must be one integer row (t, h, w)")
+            if pixels.ndim != 2 or pixels.shape[0] != int(grid.prod()) or not pixels.is_floating_point():
+                raise ImageError(f"image {image.hash[:16]}: pixel_values shape {list(pixels.shape)} {pixels.dtype} (expected [{int(grid.prod())}, D], floating point)")
+        elif pixels.ndim != 4 or pixels.shape[0] != 1 or not pixels.is_floating_point():
             raise ImageError(f"image {image.hash[:16]}: pixel_values shape {list(pixels.shape)} {pixels.dtype} (expected [1, C, H, W], floating point)")
         if image.length == 0 or image.end > len(token_ids):
             raise ImageError(f"image {image.hash[:16]}: placeholder span [{image.offset}, {image.end}) outside the prompt of {len(token_ids)} tokens")
         if any(t != self.image_token_id for t in token_ids[image.offset : image.end]):
             raise ImageError(f"image {image.hash[:16]}: tokens [{image.offset}, {image.end}) are not all the image token {self.image_token_id}")
         return tensors
+
+    def rope_positions(self, token_ids: list[int], grids: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """Qwen2.5-VL's 3-D rotary positions of a prompt ([3, len], transformers' `get_rope_index`) and
+        the offset of every later token's position from its index."""
+        ids = torch.tensor([token_ids])
+        types = (ids == self.image_token_id).int()
+        grid = torch.cat(grids) if grids else None
+        positions, delta = self.parts.get_rope_index(ids, types, image_grid_thw=grid)
+        return positions[:, 0], int(delta)
 
 
 @dataclass

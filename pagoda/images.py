@@ -27,17 +27,28 @@ def placeholder_spans(token_ids: list[int], image_token_id: int) -> list[tuple[i
 
 def image_inputs(token_ids: list[int], features, image_token_id: int, hashes: list[str] | None = None) -> tuple[ImageInput, ...]:
     """One `ImageInput` a run of image tokens of `token_ids` (one prompt's processor output
-    `features`: "pixel_values" [images, C, H, W], and "image_sizes" where the processor gives it).
+    `features`: "pixel_values" [images, C, H, W], and "image_sizes" where the processor gives it;
+    or Qwen2.5-VL's flattened patches [patches, D] with "image_grid_thw" [images, 3]).
 
     `hashes`: each image's content hash (hex); by default the SHA-256 of its pixel values' bytes."""
     spans = placeholder_spans(token_ids, image_token_id)
     pixels = features["pixel_values"]
-    if len(spans) != pixels.shape[0]:
-        raise ValueError(f"{len(spans)} runs of the image token {image_token_id}, {pixels.shape[0]} images of pixel values")
-    per_image = [name for name in ("pixel_values", "image_sizes") if name in features]
+    grids = features.get("image_grid_thw")
+    if grids is not None:  # Qwen2.5-VL: every image's patches on dim 0, t * h * w rows each
+        ends = grids.prod(-1).cumsum(0).tolist()
+        pixel_rows = [(0 if i == 0 else ends[i - 1], end) for i, end in enumerate(ends)]
+    else:
+        pixel_rows = [(i, i + 1) for i in range(pixels.shape[0])]
+    if len(spans) != len(pixel_rows):
+        raise ValueError(f"{len(spans)} runs of the image token {image_token_id}, {len(pixel_rows)} images of pixel values")
+    per_image = [name for name in ("image_sizes", "image_grid_thw") if name in features]
     inputs = []
     for i, (offset, length) in enumerate(spans):
-        tensors = tuple(ImageTensor.from_torch(name, features[name][i : i + 1]) for name in per_image)
+        start, end = pixel_rows[i]
+        tensors = (
+            ImageTensor.from_torch("pixel_values", pixels[start:end]),
+            *(ImageTensor.from_torch(name, features[name][i : i + 1]) for name in per_image),
+        )
         digest = hashes[i] if hashes is not None else hashlib.sha256(tensors[0].data).hexdigest()
         inputs.append(ImageInput(digest, offset, length, tensors))
     return tuple(inputs)

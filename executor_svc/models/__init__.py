@@ -27,6 +27,7 @@ _MODULES = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model, and its vision tower (executor_svc.vision)
     "LlavaForConditionalGeneration": "llava",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 # the architecture of a config without `architectures` (a GGUF file's, read by transformers or

@@ -105,6 +105,45 @@ def gemma3(tmp_path_factory, default_model_dir):
     return out_dir, processor, model
 
 
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory, default_model_dir):
+    """(folder, (tokenizer, image processor), transformers' model) of a tiny Qwen2.5-VL: 14 px patches
+    merged 2x2, two windowed vision blocks then one full, rotary sections 2 + 3 + 3 of 8 frequencies.
+    Its processor class needs torchvision (its video processor), so the image tokens are expanded
+    here from the image processor's grid as the processor does (t * h * w / merge^2 of them)."""
+    import transformers as T
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = T.AutoTokenizer.from_pretrained(str(default_model_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]})
+    ids = tokenizer.convert_tokens_to_ids
+    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 12, patch_size=14, merge_size=2, temporal_patch_size=2)
+    text = T.Qwen2_5_VLTextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = T.Qwen2_5_VLVisionConfig(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[2])
+    config = T.Qwen2_5_VLConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=ids("<|image_pad|>"),
+                                vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+                                video_token_id=ids("<|video_pad|>"), bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(2)
+    out_dir = tmp_path_factory.mktemp("qwen2_5_vl")
+    model = perturb_and_save(T.Qwen2_5_VLForConditionalGeneration(config), tokenizer, out_dir)
+    return out_dir, (tokenizer, images), model
+
+
+def qwen_inputs(tokenizer, image_processor, config, before: str, image, after: str):
+    """What Qwen2.5-VL's processor gives: <|vision_start|>, the image's pad tokens, <|vision_end|>."""
+    features = image_processor(images=[image], return_tensors="pt") if image is not None else {}
+    ids = tokenizer(before)["input_ids"]
+    if image is not None:
+        count = int(features["image_grid_thw"].prod()) // 4
+        ids += [config.vision_start_token_id] + [config.image_token_id] * count + [config.vision_end_token_id]
+    ids += tokenizer(after)["input_ids"]
+    input_ids = torch.tensor([ids])
+    return {"input_ids": input_ids, "mm_token_type_ids": (input_ids == config.image_token_id).int(), **features}
+
+
 def runner_of(model_dir, one_group: bool = False) -> ModelRunner:
     # one_group: every layer on one block table (the plans here hold one), sliding layers still windowed
     groups = (KVCacheGroupSpec(tuple(range(4)), None),) if one_group else None
@@ -173,8 +212,9 @@ def reference(model, inputs, max_tokens: int = MAX_TOKENS) -> tuple[list[int], t
         out = model.generate(**kwargs, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
         tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
         full = dict(kwargs, input_ids=out[:, :-1])
-        if "token_type_ids" in kwargs:  # (the generated tokens are text)
-            full["token_type_ids"] = torch.nn.functional.pad(kwargs["token_type_ids"], (0, max_tokens - 1))
+        for name in ("token_type_ids", "mm_token_type_ids"):  # (the generated tokens are text)
+            if name in kwargs:
+                full[name] = torch.nn.functional.pad(kwargs[name], (0, max_tokens - 1))
         logits = model(**full).logits[0].float()
     return tokens, logits.log_softmax(-1)
 
@@ -303,3 +343,29 @@ def test_gemma3_images_equal_transformers_with_bidirectional_image_attention(gem
     ids = requests["wide"][0]
     _, _, errors = serve(runner, {"split": (ids, images["wide"], [offset + 2, 100])}, max_tokens=1)
     assert [e.req_id for e in errors] == ["split"] and "not to" in errors[0].message
+
+
+# ---- Qwen2.5-VL ----------------------------------------------------------------------------
+
+
+def test_qwen2_5_vl_images_equal_transformers_with_3d_rotary_positions(qwen2_5_vl):
+    """Two images of other sizes (grids 4 x 6 and 6 x 4) in one batch, one prefilled in chunks that end
+    inside its image, and a text-only request: every row's log-probabilities equal transformers',
+    whose rotary positions are 3-D (an image's tokens at their grid place, the text after it offset)."""
+    model_dir, (tokenizer, images), model = qwen2_5_vl
+    runner = runner_of(model_dir)
+    config = model.config
+    inputs = {name: qwen_inputs(tokenizer, images, config, "Look at this picture:", IMAGES[name], " what is it?") for name in IMAGES}
+    text = qwen_inputs(tokenizer, images, config, "No picture, only a question: what comes next?", None, "")
+    assert inputs["wide"]["image_grid_thw"].tolist() != inputs["tall"]["image_grid_thw"].tolist()
+    expected = {name: reference(model, inputs[name]) for name in IMAGES}
+    assert not torch.allclose(expected["wide"][1], expected["tall"][1], atol=1e-2)
+    requests = {name: (inputs[name]["input_ids"][0].tolist(), image_inputs(inputs[name], config.image_token_id), None) for name in IMAGES}
+    offset = requests["wide"][1][0].offset
+    requests["wide"] = (*requests["wide"][:2], [offset + 2, 3, 100])
+    requests["text"] = (text["input_ids"][0].tolist(), (), [4])
+    outputs, rows, errors = serve(runner, requests)
+    assert not errors
+    for name in IMAGES:
+        assert_equal_to_reference(outputs, rows, name, expected[name])
+    assert_equal_to_reference(outputs, rows, "text", reference(model, text))
