@@ -86,7 +86,7 @@ class CachedRequestState:
     Its tokens, blocks and computed count live in its row of the persistent batch
     (`InputBatch`); `token_ids` is also kept as a list, which the sampler's penalties read."""
 
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "row", "adapter", "images", "rope", "_batch")
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "row", "adapter", "images", "held", "rope", "_batch")
 
     def __init__(self, new: NewRequestData, batch: InputBatch, adapter: int = -1) -> None:
         self.req_id = new.req_id
@@ -96,6 +96,7 @@ class CachedRequestState:
         self.sampling: SamplingParams = new.sampling
         # its images not yet wholly computed, each with its checked tensors (executor_svc.vision)
         self.images: list[tuple[ImageInput, dict[str, torch.Tensor]]] = []
+        self.held: set[str] = set()  # the hashes of its images the encoder cache holds for it
         self.rope: tuple[torch.Tensor, int] | None = None  # Qwen2.5-VL: its prompt's [3, P] positions, later tokens' offset
         self._batch = batch
         self.row = batch.add(self.token_ids, new.block_ids, new.num_computed_tokens)
@@ -494,8 +495,8 @@ class ModelRunner:
         if state is not None:
             self.batch.remove(state.row)
             self.structured.remove(req_id)
-            if state.images:
-                self.encoder_cache.release_all(req_id, [image.hash for image, _ in state.images])
+            if state.held:
+                self.encoder_cache.release_all(req_id, state.held)
 
     # -- images (a vision-language model's; executor_svc.vision) ----------------------------
 
@@ -519,8 +520,12 @@ class ModelRunner:
                 grids.append(tensors.get("image_grid_thw"))
                 if image.end > state.num_computed_tokens:
                     state.images.append((image, tensors))
+            prompt = state.token_ids[: state.num_prompt_tokens]
+            placeholders = sum(t == vision.image_token_id for t in prompt)
+            if placeholders != sum(image.length for image in images):
+                raise ImageError(f"the prompt holds {placeholders} image tokens, its images' spans {sum(image.length for image in images)}")
             if self.config.mrope_section is not None:
-                state.rope = vision.rope_positions(state.token_ids[: state.num_prompt_tokens], grids)
+                state.rope = vision.rope_positions(prompt, grids)
         except (ImageError, ValueError) as exc:
             state.images = []
             self.failed[state.req_id] = f"images: {exc}"
@@ -582,6 +587,7 @@ class ModelRunner:
             for req_id in req_ids:
                 if req_id not in self.failed:
                     cache.hold(h, req_id)
+                    self.requests[req_id].held.add(h)
 
     def _image_rows(self, plan: StepPlan, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(flat rows, features) of the step's placeholder tokens, from the encoder cache; None when none."""
@@ -637,20 +643,26 @@ class ModelRunner:
 
     def _release_computed_images(self, state: CachedRequestState) -> None:
         """Free the encoder cache's hold of every image of `state` whose tokens are all computed."""
-        done = [image for image, _ in state.images if image.end <= state.num_computed_tokens]
-        if done:
-            self.encoder_cache.release_all(state.req_id, [image.hash for image in done])
-            state.images = [(image, t) for image, t in state.images if image.end > state.num_computed_tokens]
+        left = [(image, t) for image, t in state.images if image.end > state.num_computed_tokens]
+        if len(left) < len(state.images):  # (an image twice in a prompt: held until its last copy is computed)
+            done = {image.hash for image, _ in state.images} - {image.hash for image, _ in left}
+            self.encoder_cache.release_all(state.req_id, done)
+            state.held -= done
+            state.images = left
 
     def check_encoder_cache(self) -> None:
-        """The encoder cache holds each image exactly for the requests part-way through its tokens."""
+        """The encoder cache holds each image for exactly the requests that say they hold it; a request
+        holds every image it is part-way through, and none whose every copy it has computed."""
         if self.encoder_cache is None:
             return
         live: dict[str, set[str]] = {}
         for req_id, state in self.requests.items():
-            for image, _ in state.images:
-                if image.offset < state.num_computed_tokens < image.end:
-                    live.setdefault(image.hash, set()).add(req_id)
+            pending = {image.hash for image, _ in state.images}
+            started = {image.hash for image, _ in state.images if image.offset < state.num_computed_tokens}
+            if not started <= state.held <= pending:
+                raise AssertionError(f"request {req_id} holds images {state.held}: part-way through {started}, still to compute {pending}")
+            for image_hash in state.held:
+                live.setdefault(image_hash, set()).add(req_id)
         self.encoder_cache.check_integrity(live)
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:

@@ -273,9 +273,18 @@ def test_llava_chunked_prefill_through_an_image(llava):
     for name in expected:
         assert_equal_to_reference(outputs, rows, name, expected[name])
 
+    # the same image twice in one prompt: encoded once, held until its second copy is computed
+    twice = processed(processor, "USER: <image> and again <image>: the same? ASSISTANT:", [IMAGES["tall"], IMAGES["tall"]])
+    spans = image_inputs(twice, image_id)
+    assert spans[0].hash == spans[1].hash
+    chunks = [spans[0].end + 3, spans[1].end - spans[0].end - 5, 100]  # the first copy done while the second is half way
+    outputs, rows, errors = serve(runner, {"twice": (twice["input_ids"][0].tolist(), spans, chunks)})
+    assert not errors and runner.encoder_cache.num_encoded == 3
+    assert_equal_to_reference(outputs, rows, "twice", reference(model, twice))
+
     # preempted with its first image half computed (its hold freed), then sent again: encoded again, the same answer
     outputs, rows, errors = serve(runner, {"two": requests["two"]}, preempt={1: "two"})
-    assert not errors and runner.encoder_cache.num_encoded == 2 + 3
+    assert not errors and runner.encoder_cache.num_encoded == 3 + 3
     assert_equal_to_reference(outputs, rows, "two", expected["two"])
 
 
@@ -290,11 +299,13 @@ def test_llava_images_checked_before_any_work(llava, default_model_dir):
     shifted = ImageInput(good.hash, good.offset - 1, good.length, good.tensors)
     extra = ImageInput(good.hash, good.offset, good.length, (*good.tensors, ImageTensor.from_torch("image_grid_thw", torch.ones(1, 3, dtype=torch.int64))))
     short = ImageInput(good.hash, good.offset, good.length, (ImageTensor("pixel_values", "float32", (1, 3, 32, 32), b"\0" * 12),))
+    undeclared = (ids[: good.offset] + [processor.image_token_id] + ids[good.offset :], (good,), None)  # one token more than the span
     requests = {"shifted": (ids, (shifted,), None), "extra": (ids, (extra,), None), "short": (ids, (short,), None),
-                "good": (ids, (good,), None)}
+                "undeclared": undeclared, "good": (ids, (good,), None)}
     outputs, _, errors = serve(runner, requests, max_tokens=2)
     messages = {e.req_id: e.message for e in errors}
-    assert set(messages) == {"shifted", "extra", "short"}
+    assert set(messages) == {"shifted", "extra", "short", "undeclared"}
+    assert "the prompt holds 17 image tokens" in messages["undeclared"]
     assert all(m.startswith("images: ") for m in messages.values())
     assert "not all the image token" in messages["shifted"] and "image_grid_thw" in messages["extra"]
     assert "bytes" in messages["short"] and len(outputs["good"]) == 2
