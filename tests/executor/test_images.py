@@ -327,12 +327,15 @@ GEMMA_PROMPT = "Here is a picture that I took on my walk this morning, near the 
 def test_gemma3_images_equal_transformers_with_bidirectional_image_attention(gemma3):
     """Two images in one batch and a text-only request: every row's log-probabilities equal
     transformers' (its mask lets an image's soft tokens see each other) on sliding and full layers;
-    a chunk may end at an image's end but not inside it (its request fails alone)."""
+    pan and scan (the image and two crops, three blocks of soft tokens); a chunk may end at an
+    image's end but not inside it (its request fails alone)."""
     model_dir, processor, model = gemma3
     runner = runner_of(model_dir, one_group=True)
     image_id = processor.tokenizer.image_token_id
     inputs = {name: processed(processor, GEMMA_PROMPT, IMAGES[name]) for name in IMAGES}
     text = processed(processor, "A question without a picture: what comes next?", None)
+    crops = processor(text=GEMMA_PROMPT, images=IMAGES["wide"], return_tensors="pt", do_pan_and_scan=True,
+                      pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=2, pan_and_scan_min_ratio_to_activate=1.2)
     expected = {name: reference(model, inputs[name]) for name in IMAGES}
     assert not torch.allclose(expected["wide"][1], expected["tall"][1], atol=1e-2)
     causal = reference(model, {k: v for k, v in inputs["wide"].items() if k != "token_type_ids"})
@@ -344,12 +347,15 @@ def test_gemma3_images_equal_transformers_with_bidirectional_image_attention(gem
         "wide": (inputs["wide"]["input_ids"][0].tolist(), images["wide"], [offset + 4, 100]),  # a chunk ends at the image's end
         "tall": (inputs["tall"]["input_ids"][0].tolist(), images["tall"], None),
         "text": (text["input_ids"][0].tolist(), (), [5]),
+        "crops": (crops["input_ids"][0].tolist(), image_inputs(crops, image_id), None),
     }
+    assert len(requests["crops"][1]) == 3
     outputs, rows, errors = serve(runner, requests)
     assert not errors
     for name in IMAGES:
         assert_equal_to_reference(outputs, rows, name, expected[name])
     assert_equal_to_reference(outputs, rows, "text", reference(model, text))
+    assert_equal_to_reference(outputs, rows, "crops", reference(model, crops))
 
     ids = requests["wide"][0]
     _, _, errors = serve(runner, {"split": (ids, images["wide"], [offset + 2, 100])}, max_tokens=1)
