@@ -191,6 +191,9 @@ def write_pooling_metadata(gguf_path: Path, out: Path) -> None:
             config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
         except (ValueError, KeyError) as exc:
             raise PoolingError("general.architecture", f"{arch!r}: transformers cannot read it ({exc})") from None
+        key_length = _field(reader, f"{arch}.attention.key_length")
+        if key_length is not None and "head_dim" in config:  # (transformers' GGUF config leaves its default)
+            config["head_dim"] = int(key_length)
         (out / "config.json").write_text(json.dumps(config, indent=2))
     context = _field(reader, f"{arch}.context_length")
     hidden = int(config.get("hidden_size", 0))
