@@ -198,3 +198,100 @@ def test_bert_gguf_refusals(root):
     with pytest.raises(PoolingError, match=r"bert\.classifier\.output_labels: a BERT classifier"):
         model_files.resolve_model(str(labels), weights=False)
     assert not list(Path(model_files.cache_dir()).glob("*tmp*"))  # nothing half-written is left
+
+
+def qwen3_folder(root: Path, seed: int = 0) -> Path:
+    """A random Qwen3Model with a tiny byte-level BPE tokenizer that appends <|endoftext|>, as
+    Qwen3-Embedding's does, wrapped as a last-token, normalized sentence-transformers folder."""
+    import transformers as T
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS)] * 10, trainer)
+    eos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(single="$A:0 <|endoftext|>:0", special_tokens=[("<|endoftext|>", eos)])
+    fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                     model_max_length=MAX_POSITIONS)
+    config = T.Qwen3Config(vocab_size=len(fast), hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POSITIONS,
+                           initializer_range=0.2, tie_word_embeddings=True, pad_token_id=eos, eos_token_id=eos,
+                           bos_token_id=eos)
+    torch.manual_seed(seed)
+    folder = root / f"gguf-qwen3-{seed}"
+    perturb(T.Qwen3Model(config), seed).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return st_folder(folder, "lasttoken", True)
+
+
+def write_qwen3_gguf(folder: Path, out: Path) -> Path:
+    """The sentence-transformers Qwen3 folder as llama.cpp's converter writes it (--outtype f32)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    w = gguf.GGUFWriter(str(out), "qwen3")
+    w.add_type("model")
+    w.add_name(folder.name)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_file_type(0)
+    w.add_pooling_type(gguf.PoolingType.LAST)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    w.add_token_list([by_id[i] for i in range(config.vocab_size)])
+    w.add_token_types([gguf.TokenType.CONTROL if i in tok.all_special_ids else gguf.TokenType.NORMAL
+                       for i in range(config.vocab_size)])
+    merges = json.loads((folder / "tokenizer.json").read_text())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_bos_token_id(config.bos_token_id)
+    w.add_add_eos_token(True)
+    w.add_add_sep_token(False)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers)
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        gguf_name = names.get_name("model." + name.removeprefix("model."), try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        w.add_tensor(gguf_name, tensor.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_qwen3_embedding_gguf_equals_sentence_transformers(root):
+    """A decoder embedding model (Qwen3-Embedding's shape: last token, normalized) as a qwen3 GGUF
+    file with qwen3.pooling_type LAST: runner auto pools it, with the folder's vectors."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    from executor_svc.pooling import PoolingRunner
+    from pagoda import model_files
+    from pagoda.pooling_files import resolve_runner
+
+    folder = qwen3_folder(root)
+    model_dir = model_files.resolve_model(str(write_qwen3_gguf(folder, root / "qwen3.gguf")), weights=False)
+    assert resolve_runner(model_dir, "auto") == "pooling"
+    inputs = [" ".join(text.split()[:30]) for text in texts()]  # (a byte-level BPE of few merges: ~5 tokens a word)
+    tok, reference_tok = AutoTokenizer.from_pretrained(model_dir), AutoTokenizer.from_pretrained(folder)
+    assert [tok(t)["input_ids"] for t in inputs] == [reference_tok(t)["input_ids"] for t in inputs]
+    runner = PoolingRunner(model_dir)
+    assert (runner.spec.pooling_mode, runner.spec.normalize) == ("lasttoken", True)
+    reference = SentenceTransformer(str(folder), device="cpu").encode(inputs, convert_to_numpy=True)
+    assert_vectors_equal(runner.run(pool_requests(tok, inputs, normalize=True)), reference)
