@@ -90,13 +90,17 @@ def check_servable(reader) -> str:
     if arch in ENCODER_ARCHITECTURES:
         names = {t.name for t in reader.tensors}
         if "cls.output.weight" in names or _field(reader, f"{arch}.classifier.output_labels") is not None:
-            raise PoolingError(f"{arch}.classifier.output_labels",
-                               "a BERT classifier: llama.cpp's converter drops its pooler.dense, so its scores "
-                               "cannot be the model's (serve the safetensors folder)")
+            if "cls.weight" not in names:
+                raise PoolingError(f"{arch}.classifier.output_labels",
+                                   "a BERT classifier: llama.cpp's converter drops its pooler.dense, so its scores "
+                                   "cannot be the model's (serve the safetensors folder)")
+            raise PoolingError(f"{arch}.classifier.output_labels", "GGUF rerankers are not served (serve the "
+                                                                   "safetensors folder)")
         tok_model = _field(reader, "tokenizer.ggml.model")
         if tok_model != "bert":
-            raise PoolingError("tokenizer.ggml.model", f"{tok_model!r}: the bert architecture is served with the "
-                                                       "WordPiece tokenizer ('bert') only")
+            raise PoolingError("tokenizer.ggml.model", f"{tok_model!r} (XLM-RoBERTa's is 't5'): the bert "
+                                                       "architecture is served with the WordPiece tokenizer ('bert') "
+                                                       "only (serve the safetensors folder)")
     return mode
 
 
