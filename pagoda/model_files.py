@@ -108,6 +108,10 @@ def gguf_metadata_dir(gguf_path: Path) -> Path:
     `<cache>/<stem>-<key>-pooling/` (`pagoda.gguf_pooling`; PoolingError naming the key it cannot serve)."""
     from pagoda import gguf_pooling
 
+    key = _content_key(gguf_path)
+    for suffix in ("-meta", "-pooling"):  # written before: no need to read the header again
+        if (cache_dir() / f"{gguf_path.stem}-{key}{suffix}" / GGUF_SOURCE).is_file():
+            return cache_dir() / f"{gguf_path.stem}-{key}{suffix}"
     if gguf_pooling.is_pooling_file(gguf_path):
         return _cached_directory(gguf_path, "-pooling", gguf_pooling.write_pooling_metadata, "gguf")
     return _cached_directory(gguf_path, "-meta", _write_metadata_directory, "gguf")

@@ -168,6 +168,12 @@ def test_bert_gguf_refusals(root):
     folder = st_folder(bert_folder(root, seed=7), "mean", False)
     path = write_bert_gguf(folder, root / "refused.gguf")
     reader = gguf.GGUFReader(str(path))
+    # the header scan that picks the runner reads the scalars the gguf package reads
+    from pagoda.gguf_pooling import _scalar_keys
+
+    scalars = {k: f.contents() for k, f in reader.fields.items()
+               if not k.startswith("GGUF.") and f.types[0] != gguf.GGUFValueType.ARRAY}
+    assert _scalar_keys(path, lambda key: True) == pytest.approx(scalars)
 
     def rewrite(name: str, change) -> Path:
         """The file again with `change(writer)` applied to its keys."""
