@@ -206,7 +206,9 @@ def _bert_tokenizer(reader, max_length: int):
         return tokens[int(value)]
 
     cls = special("bos_token_id")  # the converter writes [CLS] as BOS and [SEP] as EOS / separator
-    sep = special("seperator_token_id") if "tokenizer.ggml.seperator_token_id" in reader.fields else special("eos_token_id")
+    # (the gguf package spells the key "seperator")
+    has_sep = "tokenizer.ggml.seperator_token_id" in reader.fields
+    sep = special("seperator_token_id") if has_sep else special("eos_token_id")
     unk = special("unknown_token_id")
     lowercase = bool(_field(reader, "tokenizer.ggml.normalizer.lowercase", True))
     tok = Tokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))

@@ -285,7 +285,8 @@ def load_encoder(model_dir: str | Path, device: torch.device, dtype: torch.dtype
 
 def hf_tensor_names(c: EncoderConfig) -> list[str]:
     """The checkpoint names of a `BertModel` of config `c` (module names, without .weight / .bias)."""
-    names = [f"embeddings.{n}" for n in ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm")]
+    embeddings = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm")
+    names = [f"embeddings.{n}" for n in embeddings]
     for i in range(c.num_layers):
         names += [f"encoder.layer.{i}.{n}" for n in (
             "attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
@@ -293,7 +294,8 @@ def hf_tensor_names(c: EncoderConfig) -> list[str]:
     return names
 
 
-def load_encoder_gguf(gguf_path: str | Path, model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> EncoderModel:
+def load_encoder_gguf(gguf_path: str | Path, model_dir: str | Path, device: torch.device,
+                      dtype: torch.dtype) -> EncoderModel:
     """The encoder of a `bert` GGUF file (llama.cpp's converter's layout), its config the metadata
     folder's (`pagoda.gguf_pooling`). Each tensor is found through the `gguf` package's name map
     (BERT's checkpoint name -> `token_embd`, `blk.N.attn_q`, ...) and dequantized into `dtype` (F32,

@@ -219,11 +219,13 @@ def qwen3_folder(root: Path, seed: int = 0) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([" ".join(WORDS)] * 10, trainer)
     eos = tok.token_to_id("<|endoftext|>")
-    tok.post_processor = processors.TemplateProcessing(single="$A:0 <|endoftext|>:0", special_tokens=[("<|endoftext|>", eos)])
+    tok.post_processor = processors.TemplateProcessing(single="$A:0 <|endoftext|>:0",
+                                                       special_tokens=[("<|endoftext|>", eos)])
     fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                      model_max_length=MAX_POSITIONS)
     config = T.Qwen3Config(vocab_size=len(fast), hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POSITIONS,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           max_position_embeddings=MAX_POSITIONS,
                            initializer_range=0.2, tie_word_embeddings=True, pad_token_id=eos, eos_token_id=eos,
                            bos_token_id=eos)
     torch.manual_seed(seed)
