@@ -4,7 +4,9 @@ A step's `pool_requests` run as one flat batch of tokens with no padding and no 
 is kept after the step): encoders (BERT, XLM-RoBERTa: `executor_svc.models.bert`) attend
 bidirectionally; decoder embedding models (Qwen3-Embedding, a `Qwen3Model` folder: any family of
 `executor_svc.models`) run through the one `DecoderModel`, causally, their final norm applied
-and no LM head. Attention is `attention.varlen`'s (length buckets, one SDPA call each).
+and no LM head. Attention is `attention.varlen`'s (length buckets, one SDPA call each). A GGUF
+file (`pagoda.gguf_pooling`: its metadata folder stands for it) is read by
+`models.bert.load_encoder_gguf` or `models.gguf.load_gguf`, its weights dequantized.
 
 Then, as sentence-transformers computes them (`pagoda.pooling_files.PoolingSpec` says how):
 
@@ -69,7 +71,8 @@ def _load_decoder(model_dir: Path, device: torch.device, dtype: torch.dtype, ggu
     if gguf_file is not None:
         from executor_svc.models.gguf import load_gguf
 
-        return load_gguf(gguf_file, config, device, dtype).eval()
+        # (an LM head the file may hold is never used: not read)
+        return load_gguf(gguf_file, config, device, dtype, skip=frozenset({"output.weight"})).eval()
     with torch.device("meta"):
         model = family(arch).build(config, dtype=dtype, tp=None)
     model = model.to_empty(device=device)
