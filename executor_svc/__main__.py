@@ -121,7 +121,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                 f.read(8)
     except model_files.HubError as exc:
         raise StartupError(str(exc)) from None
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # (ValueError: a GGUF pooling model's key it cannot serve)
         raise StartupError(f"cannot read the model {args.model or '(default)'}: {exc} (--model)") from None
     runner_kind = _runner_kind(args, model_dir)
 
@@ -235,8 +235,6 @@ def _runner_kind(args: argparse.Namespace, model_dir) -> str:
     try:
         kind = resolve_runner(model_dir, args.runner)
         if kind == "pooling":
-            if model_files.gguf_source(model_dir) is not None:
-                raise PoolingError("--runner", "pooling: GGUF pooling models are not supported (use the safetensors folder)")
             if is_group(args):
                 raise PoolingError("--runner", "pooling: no tensor parallelism (--tensor-parallel-size 1)")
             read_pooling_spec(model_dir)  # a folder the pooling runner cannot serve fails here, named

@@ -4,7 +4,9 @@ A step's `pool_requests` run as one flat batch of tokens with no padding and no 
 is kept after the step): encoders (BERT, XLM-RoBERTa: `executor_svc.models.bert`) attend
 bidirectionally; decoder embedding models (Qwen3-Embedding, a `Qwen3Model` folder: any family of
 `executor_svc.models`) run through the one `DecoderModel`, causally, their final norm applied
-and no LM head. Attention is `attention.varlen`'s (length buckets, one SDPA call each).
+and no LM head. Attention is `attention.varlen`'s (length buckets, one SDPA call each). A GGUF
+file (`pagoda.gguf_pooling`: its metadata folder stands for it) is read by
+`models.bert.load_encoder_gguf` or `models.gguf.load_gguf`, its weights dequantized.
 
 Then, as sentence-transformers computes them (`pagoda.pooling_files.PoolingSpec` says how):
 
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from executor_svc.attention.varlen import VarlenPlan, varlen_attention
 from executor_svc.loader import UnsupportedModelError, load_weights, weight_bytes
 from executor_svc.model_runner import resolve_device, resolve_dtype
-from pagoda.model_files import fingerprint
+from pagoda.model_files import fingerprint, gguf_source
 from pagoda.pooling_files import PoolingError, PoolingSpec, read_pooling_spec
 
 log = logging.getLogger(__name__)
@@ -50,8 +52,9 @@ class _NoCacheCausalAttention:
                                 logits_soft_cap=logits_soft_cap)
 
 
-def _load_decoder(model_dir: Path, device: torch.device, dtype: torch.dtype):
-    """The folder's decoder (a *ForCausalLM or a bare *Model of a supported family), no LM head."""
+def _load_decoder(model_dir: Path, device: torch.device, dtype: torch.dtype, gguf_file: Path | None = None):
+    """The folder's decoder (a *ForCausalLM or a bare *Model of a supported family), no LM head;
+    from `gguf_file` (the folder standing for it) dequantized into `dtype`, as `--quantization none`."""
     from transformers import AutoConfig
 
     from executor_svc.model import DecoderModel
@@ -65,6 +68,11 @@ def _load_decoder(model_dir: Path, device: torch.device, dtype: torch.dtype):
         raise UnsupportedModelError(f"model_type {hf.model_type!r}: no decoder family to pool its hidden states")
     # the LM head is never used: tied, so that no lm_head parameter waits for a tensor
     config = dataclasses.replace(family(arch).read_config(hf, arch), tie_word_embeddings=True)
+    if gguf_file is not None:
+        from executor_svc.models.gguf import load_gguf
+
+        # (an LM head the file may hold is never used: not read)
+        return load_gguf(gguf_file, config, device, dtype, skip=frozenset({"output.weight"})).eval()
     with torch.device("meta"):
         model = family(arch).build(config, dtype=dtype, tp=None)
     model = model.to_empty(device=device)
@@ -102,10 +110,14 @@ class PoolingRunner:
             raise UnsupportedModelError(f"{self.model_dir} is a generation model: nothing says how to pool it "
                                         "(no modules.json, a language-model head)")
         self.spec: PoolingSpec = spec
+        gguf_file = gguf_source(self.model_dir)
         if spec.is_encoder:
-            from executor_svc.models.bert import load_encoder
+            from executor_svc.models.bert import load_encoder, load_encoder_gguf
 
-            self.model = load_encoder(self.model_dir, self._device, self.dtype)
+            if gguf_file is not None:
+                self.model = load_encoder_gguf(gguf_file, self.model_dir, self._device, self.dtype)
+            else:
+                self.model = load_encoder(self.model_dir, self._device, self.dtype)
             self.encoder = True
             self.vocab_size = self.model.config.vocab_size
             self.type_vocab_size = self.model.config.type_vocab_size
@@ -113,7 +125,7 @@ class PoolingRunner:
         else:
             if spec.task != "embed":
                 raise UnsupportedModelError(f"{spec.architecture}: decoder classifiers are not served")
-            self.model = _load_decoder(self.model_dir, self._device, self.dtype)
+            self.model = _load_decoder(self.model_dir, self._device, self.dtype, gguf_file)
             self.encoder = False
             self.vocab_size = self.model.config.vocab_size
             self.type_vocab_size = 1

@@ -103,7 +103,17 @@ def convert_gguf(gguf_path: Path) -> Path:
 
 
 def gguf_metadata_dir(gguf_path: Path) -> Path:
-    """config.json, tokenizer files and `gguf.json` for `gguf_path`, once, in `<cache>/<stem>-<key>-meta/`."""
+    """config.json, tokenizer files and `gguf.json` for `gguf_path`, once, in `<cache>/<stem>-<key>-meta/`;
+    for a pooling model (an encoder, or `<arch>.pooling_type` set) a sentence-transformers folder in
+    `<cache>/<stem>-<key>-pooling/` (`pagoda.gguf_pooling`; PoolingError naming the key it cannot serve)."""
+    from pagoda import gguf_pooling
+
+    key = _content_key(gguf_path)
+    for suffix in ("-meta", "-pooling"):  # written before: no need to read the header again
+        if (cache_dir() / f"{gguf_path.stem}-{key}{suffix}" / GGUF_SOURCE).is_file():
+            return cache_dir() / f"{gguf_path.stem}-{key}{suffix}"
+    if gguf_pooling.is_pooling_file(gguf_path):
+        return _cached_directory(gguf_path, "-pooling", gguf_pooling.write_pooling_metadata, "gguf")
     return _cached_directory(gguf_path, "-meta", _write_metadata_directory, "gguf")
 
 
@@ -127,7 +137,11 @@ def _cached_directory(gguf_path: Path, suffix: str, write, weights: str) -> Path
             return target
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        write(gguf_path, tmp)
+        try:
+            write(gguf_path, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         # Written last: its presence marks a complete directory.
         source = {"file": str(gguf_path.resolve()), "key": key, "weights": weights}
         (tmp / GGUF_SOURCE).write_text(json.dumps(source))

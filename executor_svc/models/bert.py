@@ -281,3 +281,67 @@ def load_encoder(model_dir: str | Path, device: torch.device, dtype: torch.dtype
     if missing:
         raise UnsupportedModelError(f"checkpoint {model_dir} does not fill {len(missing)} tensors, e.g. {missing[:3]}")
     return model.eval()
+
+
+def hf_tensor_names(c: EncoderConfig) -> list[str]:
+    """The checkpoint names of a `BertModel` of config `c` (module names, without .weight / .bias)."""
+    embeddings = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm")
+    names = [f"embeddings.{n}" for n in embeddings]
+    for i in range(c.num_layers):
+        names += [f"encoder.layer.{i}.{n}" for n in (
+            "attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+            "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")]
+    return names
+
+
+def load_encoder_gguf(gguf_path: str | Path, model_dir: str | Path, device: torch.device,
+                      dtype: torch.dtype) -> EncoderModel:
+    """The encoder of a `bert` GGUF file (llama.cpp's converter's layout), its config the metadata
+    folder's (`pagoda.gguf_pooling`). Each tensor is found through the `gguf` package's name map
+    (BERT's checkpoint name -> `token_embd`, `blk.N.attn_q`, ...) and dequantized into `dtype` (F32,
+    F16, Q8_0 and every type `gguf.quants` dequantizes); a tensor of the file with no place in the
+    model, or one the model lacks, is refused by name."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from executor_svc.loader import UnsupportedModelError
+
+    c = read_config(model_dir)
+    if c.head is not None:
+        raise UnsupportedModelError(f"{Path(gguf_path).name}: GGUF classifiers are not served")
+    reader = gguf.GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, c.num_layers)
+    with torch.device("meta"):
+        model = EncoderModel(c, dtype)
+    model = model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    filled = dict.fromkeys(params, 0)
+    used = set()
+    for hf_module in hf_tensor_names(c):
+        base = name_map.get_name(hf_module)
+        if base is None:
+            raise UnsupportedModelError(f"the gguf package maps no tensor for {hf_module}")
+        for suffix in ("weight", "bias"):
+            t = tensors.get(f"{base}.{suffix}")
+            if t is None:
+                continue
+            used.add(t.name)
+            param_name, row = weight_target(f"{hf_module}.{suffix}", c)
+            values = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+            dest = params[param_name].data
+            if row is not None:
+                dest = dest.narrow(0, row, values.shape[0])
+            if dest.shape != values.shape:
+                raise UnsupportedModelError(f"{Path(gguf_path).name}: {t.name} of shape {tuple(values.shape)}, "
+                                            f"expected {tuple(dest.shape)}")
+            dest.copy_(values)
+            filled[param_name] += values.numel()
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise UnsupportedModelError(f"{Path(gguf_path).name}: GGUF tensor {extra[0]} has no place in a BERT encoder")
+    missing = [n for n, p in params.items() if filled[n] != p.numel()]
+    if missing:
+        raise UnsupportedModelError(f"{Path(gguf_path).name} does not fill {len(missing)} tensors, e.g. {missing[:3]}")
+    return model.eval()

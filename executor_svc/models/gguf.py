@@ -136,10 +136,11 @@ def hf_tensors(path: Path, reader, arch: str, config, skip: frozenset[str] = fro
             raise UnsupportedModelError(f"GGUF tensor {t.name} has no place in a {arch} model")
 
 
-def load_gguf(path: Path, config, device: torch.device, dtype: torch.dtype, keep_blocks: bool = False):
+def load_gguf(path: Path, config, device: torch.device, dtype: torch.dtype, keep_blocks: bool = False,
+              skip: frozenset[str] = frozenset()):
     """The decoder on `device` in `dtype`, filled from the GGUF file: with `keep_blocks` (CPU,
     float32 or bfloat16) its projections, embedding and LM head in their blocks where the kernel takes them, the
-    rest (all of it without) dequantized."""
+    rest (all of it without) dequantized. The file's tensors named in `skip` are not read."""
     from executor_svc.loader import fill_parameters, weight_bytes
     from executor_svc.models import family
     from executor_svc.quant.gguf_kernel import get_kernel
@@ -184,7 +185,7 @@ def load_gguf(path: Path, config, device: torch.device, dtype: torch.dtype, keep
 
     # the decoder reads lm_head when it is set: a tied head is the embedding's blocks
     consumed = install_kept(model, kept, linear_of, config.tie_word_embeddings, dtype)
-    fill_parameters(model, hf_tensors(path, reader, arch, config, frozenset(consumed)), str(path))
+    fill_parameters(model, hf_tensors(path, reader, arch, config, frozenset(consumed) | skip), str(path))
     log.info(
         "%s: %s, %d of %d weights kept in GGUF blocks, %.1f MiB resident",
         path.name, config.architecture, len(consumed), len(tensors), weight_bytes(model) / 2**20,
