@@ -239,10 +239,10 @@ def output_items(answer: Answer) -> list[dict]:
 
 
 def usage_object(usage: Usage | None) -> dict:
-    prompt, completion, cached = (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) \
-        if usage else (0, 0, 0)
+    prompt, completion, cached, reasoning = (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens,
+                                             usage.reasoning_tokens) if usage else (0, 0, 0, 0)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}
 
 

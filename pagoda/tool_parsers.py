@@ -392,7 +392,7 @@ def choose_tool_parser_from_template(template: str | None) -> str | None:
         return "hermes"
     if "[TOOL_CALLS]" in template:
         return "mistral"
-    if "<|python_start|>" in template:
+    if "<|python_start|>" in template or "[func_name1(" in template:  # Llama 4's; Llama 3.2's pythonic prompt
         return "pythonic"
     if "<|python_tag|>" in template or ('"parameters"' in template and "ipython" in template):
         return "llama3_json"

@@ -38,6 +38,7 @@ class SampleStream:
     last_token_time: float = 0.0
     num_accepted_draft_tokens: int = 0  # of its tokens, drafts the model accepted
     reasoning: ReasoningSplitter | None = None  # splits its text into reasoning and answer
+    num_reasoning_tokens: int = 0  # of its tokens, those whose text went into the reasoning
 
 
 @dataclass
@@ -109,6 +110,8 @@ class ClientStream:
         elif finish_reason is not None:
             text += sample.stop.flush()
         out.text, out.reasoning_text = _split(sample, text, finish_reason is not None)
+        if out.reasoning_text:
+            sample.num_reasoning_tokens += 1
         if finish_reason is not None:
             out.finish_reason = finish_reason
             sample.finished = True
@@ -145,6 +148,7 @@ class ClientStream:
                     completion_tokens=completion,
                     cached_prompt_tokens=self.num_cached_tokens,
                     accepted_draft_tokens=sum(s.num_accepted_draft_tokens for s in self.samples),
+                    reasoning_tokens=sum(s.num_reasoning_tokens for s in self.samples),
                 )
             )
         )

@@ -173,8 +173,10 @@ class StreamAttempts:
 
     def _usage(self, usage: pb.Usage) -> Usage:
         if not self._base:
-            return Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
-        return Usage(self.num_prompt_tokens or 0, self._base + usage.completion_tokens, self.num_cached_tokens)
+            return Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens, usage.reasoning_tokens)
+        # resumed: the reasoning tokens of the attempts before the break are not known here (a lower bound)
+        return Usage(self.num_prompt_tokens or 0, self._base + usage.completion_tokens, self.num_cached_tokens,
+                     usage.reasoning_tokens)
 
     def complete(self) -> bool:
         """Whether the stream ended properly (the last message, with usage, arrived)."""

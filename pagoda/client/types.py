@@ -262,6 +262,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    reasoning_tokens: int = 0  # of the completion tokens, the reasoning's (Usage.reasoning_tokens)
 
 
 @dataclass

@@ -23,7 +23,8 @@ router trims the text). The router detokenizes: the response carries token ids o
 What Pagoda cannot do is refused before any work, naming the field: multimodal inputs,
 prefill/decode KV transfer, `prompt_logprobs`, `logprobs = -1` (all tokens), a data-parallel
 rank other than 0 (the scheduler is one rank; it balances its executors itself). The
-`constraint` oneof is Pagoda's structured output (`constraint_for`). Accepted
+`constraint` oneof is Pagoda's structured output (`constraint_for`), and where it starts follows
+the engine's reasoning parser as vLLM's does (`grammar_start`). Accepted
 and without effect: `tokenized.original_text` (for reference, the protocol says) and
 `spaces_between_special_tokens` (an option of slow tokenizers' decoding; Pagoda's are fast
 and the response carries ids).
@@ -52,8 +53,9 @@ class Unimplemented(ServiceError):
         self.field = field
 
 
-def to_pagoda_request(req: vpb.GenerateRequest, max_model_len: int) -> pb.GenerateRequest:
+def to_pagoda_request(req: vpb.GenerateRequest, max_model_len: int, reasoning_parser: str = "") -> pb.GenerateRequest:
     """The Pagoda request for `req`; InvalidArgument / Unimplemented naming a vLLM field if refused.
+    `reasoning_parser`: the scheduler's (--reasoning-parser; "" none), where a constraint starts.
 
     Pagoda's own validation then checks ranges and limits (`vllm_field_error` renames its fields).
     """
@@ -73,6 +75,8 @@ def to_pagoda_request(req: vpb.GenerateRequest, max_model_len: int) -> pb.Genera
     constraint = constraint_for(params)
     if constraint is not None:
         out.constraint.CopyFrom(constraint)
+        if grammar_start(reasoning_parser, params) == AFTER_REASONING:
+            out.reasoning_parser = reasoning_parser  # Pagoda's admission then starts it once the reasoning ends
 
     sampling = out.sampling
     if params.HasField("temperature"):
@@ -114,15 +118,39 @@ def to_pagoda_request(req: vpb.GenerateRequest, max_model_len: int) -> pb.Genera
     return out
 
 
+# GetServerInfo's `constrained_decoding_start`: where a request's grammar starts
+AFTER_REASONING = "after_reasoning"
+FIRST_TOKEN = "first_token"
+
+
+def constrained_decoding_start(reasoning_parser: str) -> str:
+    """Where this engine starts a constraint (GetServerInfo's `constrained_decoding_start`): after the
+    reasoning when it runs a reasoning parser (vLLM's structured-output manager waits alike), else
+    at the first generated token."""
+    return AFTER_REASONING if reasoning_parser else FIRST_TOKEN
+
+
+def grammar_start(reasoning_parser: str, params: vpb.SamplingParams) -> str:
+    """Where this request's constraint starts: the engine's rule, unless the router shaped the
+    grammar to run from the first token (`grammar_from_first_token`: it leads with the thought).
+
+    After the reasoning is Pagoda's rule of `pagoda.v1` (`constrain_after_reasoning`): a prompt that
+    closed the thought (`enable_thinking: false`) constrains from the first token, one that opened
+    it lets the thought run to its end tag, and one with neither lets the output open one first.
+    The split itself stays the router's: the response carries token ids only.
+    """
+    if params.grammar_from_first_token:
+        return FIRST_TOKEN
+    return constrained_decoding_start(reasoning_parser)
+
+
 def constraint_for(params: vpb.SamplingParams) -> pb.Constraint | None:
     """The `constraint` oneof as `pagoda.v1.Constraint` (None when absent).
 
     vLLM's `StructuredOutputsParams` kinds map one to one onto `pagoda.v1.Constraint`'s:
     json_schema, regex, grammar, structural_tag, json_object, choice (`choices`). The compile
     check runs in the admission path shared with pagoda.v1 (its errors name `constraint.<kind>`,
-    renamed `sampling_params.<kind>` here). `grammar_from_first_token` needs no mapping: Pagoda
-    runs no reasoning parser, so a grammar always starts at the first generated token, which is
-    what the flag asks for.
+    renamed `sampling_params.<kind>` here). Where it starts: `grammar_start`.
     """
     kind = params.WhichOneof("constraint")
     if kind is None:

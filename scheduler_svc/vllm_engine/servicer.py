@@ -12,7 +12,8 @@ TLS and message limits (the server's interceptor and options cover both), so SMG
     Abort              engine.abort per id (idempotent)
     HealthCheck        healthy while an executor serves and the scheduler is not draining
     GetModelInfo       the model's facts; tokenizer_path is the scheduler's own directory
-    GetServerInfo      block_size, kv_cache_dtype "auto", max_num_seqs over all executors, ...
+    GetServerInfo      block_size, kv_cache_dtype "auto", max_num_seqs over all executors, the
+                       reasoning parser and where a constraint starts (requests.grammar_start), ...
     GetLoads           one SchedulerLoad (rank 0) from loads.py
     GetTokenizer       the tokenizer files as SMG's zip bundle, 64 KiB chunks, sha256 on the last
     FlushCache         empty every executor's prefix cache once the scheduler is idle (admin keys only)
@@ -50,7 +51,7 @@ from scheduler_svc.tokenizer import ModelSpec
 from scheduler_svc.validation import GenerateParams
 from scheduler_svc.vllm_engine.kv_events import FellBehind, KvEventHub, OutOfRange
 from scheduler_svc.vllm_engine.loads import LoadReader
-from scheduler_svc.vllm_engine.requests import to_pagoda_request, vllm_field_error
+from scheduler_svc.vllm_engine.requests import constrained_decoding_start, to_pagoda_request, vllm_field_error
 from scheduler_svc.vllm_engine.responses import ResponseTranslator
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class Admission(Protocol):
     async def submit(self, request: pb.GenerateRequest) -> tuple[GenerateParams, ClientStream]: ...
 
     async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse: ...
+
+    reasoning_parser: str  # the scheduler's --reasoning-parser ("" none), as chosen at start-up
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # What a FlushCache with timeout_s 0 waits at most (vLLM's servicer bounds its one attempt alike).
@@ -96,7 +99,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.last_receive_time = time.time()
         max_model_len = self.engine.config.max_model_len
         try:
-            params, stream = await self.admission.submit(to_pagoda_request(request, max_model_len))
+            params, stream = await self.admission.submit(
+                to_pagoda_request(request, max_model_len, self.admission.reasoning_parser)
+            )
         except ServiceError as exc:
             exc = vllm_field_error(exc, request)
             await context.abort(exc.code, exc.message)
@@ -187,6 +192,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             kv_cache_dtype="auto",  # each executor's model dtype
             block_size=engine.config.block_size,
             max_num_seqs=engine.config.max_num_seqs * len(engine.pool.alive),
+            engine_reasoning_parser=self.admission.reasoning_parser,
+            constrained_decoding_start=constrained_decoding_start(self.admission.reasoning_parser),
         )
 
     async def GetLoads(self, request: vpb.GetLoadsRequest, context) -> vpb.GetLoadsResponse:

@@ -384,6 +384,8 @@ def test_the_reasoning_is_a_reasoning_item_and_a_thinking_block(thinking_gateway
 
     reply = oai.responses.create(model=model_name, input=QUESTION, max_output_tokens=12, temperature=0, store=False)
     assert [(i.type, [c.text for c in i.content]) for i in reply.output] == [("reasoning", [reasoning])]
+    # every output token is the reasoning's here (the scheduler counts them as the split is made)
+    assert reply.usage.output_tokens_details.reasoning_tokens == reply.usage.output_tokens == 12
     events = list(oai.responses.create(model=model_name, input=QUESTION, max_output_tokens=12, temperature=0,
                                        store=False, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning

@@ -234,3 +234,74 @@ def test_a_free_call_in_each_format_is_read_streamed_or_not(gateways, parser):
     plain = oai.chat.completions.create(**{**request, "extra_body": {**NO_THINKING, "structured_outputs": {
         "choice": ["No call: it is sunny."]}}})
     assert (plain.choices[0].message.content, plain.choices[0].message.tool_calls) == ("No call: it is sunny.", None)
+
+
+# ---- each format with its family's chat template (tests/data/chat_templates/) -------------
+# The service's model has the thinking template above; a family's template renders the prompt
+# here as the scheduler would (tests/chat_templates.py, the same tokenizer), and the gateway's own
+# pieces build the constraint (`structured`) and read the answer (`read_output`).
+
+
+@pytest.mark.parametrize("parser", list(TOOL_PARSERS))
+def test_forced_and_free_calls_with_the_familys_own_template(grpc_client, model_dir, no_blanks, parser):
+    from transformers import AutoTokenizer
+
+    from gateway_svc.schemas import ChatCompletionRequest
+    from gateway_svc.tools import read_output, structured
+    from tests.chat_templates import family_template, render, with_template
+
+    tokenizer = with_template(AutoTokenizer.from_pretrained(model_dir), family_template(parser))
+    ids = render(tokenizer, MESSAGES, TOOLS)
+    tool_parser = get_tool_parser(parser)
+    special = {"skip_special_tokens": False} if parser == "mistral" else {}
+    for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
+        req = ChatCompletionRequest(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                    parallel_tool_calls=False)
+        s = structured(req, tool_parser)
+        out = grpc_client.generate(ids, max_tokens=96, temperature=0, logit_bias=no_blanks, **special,
+                                   **s.params).collect()
+        assert out.outputs[0].finish_reason.value == "eos", out.text  # the call is whole
+        content, calls = read_output(s, out.text, parallel=False)
+        assert content is None and len(calls) == 1, out.text
+        name, arguments = calls[0]["function"]["name"], calls[0]["function"]["arguments"]
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        assert choice == "required" or name == "get_weather"
+    free = structured(ChatCompletionRequest(model=MODEL, messages=MESSAGES, tools=TOOLS), tool_parser)
+    out = grpc_client.generate(ids, max_tokens=96, temperature=0, choice=[FREE[parser]], **special).collect()
+    content, calls = read_output(free, out.text)
+    assert content == ("Let me look. " if FREE[parser].startswith("Let me look. ") else None)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_time", '{"zone": "CET"}')]
+
+
+# ---- the same split and constraint rule over vllm.grpc.engine.VllmEngine (SMG's protocol) ---
+
+
+def test_vllm_engine_declares_the_reasoning_parser_and_starts_a_constraint_after_the_thought(svc, model_dir):
+    """GetServerInfo names the scheduler's parser and "after_reasoning"; a constrained Generate on a
+    prompt that opened the thought writes the thought unconstrained (transformers' greedy tokens:
+    a random model never closes it), and with `grammar_from_first_token` the grammar runs at once."""
+    import uuid
+
+    from smg_grpc_proto import vllm_engine_pb2 as vpb
+    from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+    from transformers import AutoTokenizer
+
+    stub = vpb_grpc.VllmEngineStub(svc.channel)
+    info = stub.GetServerInfo(vpb.GetServerInfoRequest(), timeout=10)
+    assert (info.engine_reasoning_parser, info.constrained_decoding_start) == ("qwen3", "after_reasoning")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    thought = hf_greedy(load_reference(model_dir), ids, 24)
+
+    def generate(**sampling) -> vpb.GenerateComplete:
+        params = vpb.SamplingParams(temperature=0.0, max_tokens=24, choice=vpb.ChoiceConstraint(choices=["yes"]), **sampling)
+        request = vpb.GenerateRequest(request_id=uuid.uuid4().hex, tokenized=vpb.TokenizedInput(input_ids=ids),
+                                      sampling_params=params, stream=False)
+        (reply,) = stub.Generate(request, timeout=120)
+        return reply.complete
+
+    held = generate()
+    assert (list(held.output_ids), held.finish_reason) == (thought, "length")
+    led = generate(grammar_from_first_token=True)
+    assert tokenizer.decode(led.output_ids, skip_special_tokens=True) == "yes" and led.finish_reason == "stop"

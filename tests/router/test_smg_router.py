@@ -60,7 +60,9 @@ def schedulers():
 @pytest.fixture(scope="module")
 def router(schedulers):
     urls = [f"grpc://127.0.0.1:{svc.port}" for svc in schedulers]
-    with SmgRouter(urls, [*DETERMINISTIC_ROUTING, "--health-check-interval-secs", "1"]) as smg:
+    # qwen3: the router splits `<think>` blocks off as Pagoda's qwen3 parser does (SmolLM2 writes none unasked)
+    args = [*DETERMINISTIC_ROUTING, "--health-check-interval-secs", "1", "--reasoning-parser", "qwen3"]
+    with SmgRouter(urls, args) as smg:
         yield smg
 
 
@@ -189,6 +191,28 @@ def test_vllm_engine_constraints_are_pagodas_structured_output(schedulers):
         vllm_generate(svc, ids, stream=False, temperature=0.0, max_tokens=16, choice=vpb.ChoiceConstraint(choices=choices))
     )[0]
     assert list(final.output_ids) == want["token_ids"] and final.finish_reason == "stop"
+
+
+def test_the_routers_reasoning_split_is_pagodas(schedulers, router, oai, model_name):
+    """A thought the model is made to write (a regex constraint, which the router hands the engine to
+    run from the first token, as the workers declare: they run no reasoning parser) comes back split
+    as Pagoda's qwen3 parser splits the same greedy text (what Pagoda's gateway and gRPC API return)."""
+    from pagoda.reasoning import get_reasoning_parser
+
+    svc = schedulers[0]
+    info = vllm_stub(svc).GetServerInfo(vpb.GetServerInfoRequest(), timeout=10)
+    assert (info.engine_reasoning_parser, info.constrained_decoding_start) == ("", "first_token")
+    assert router.worker(svc.port)["labels"]["constrained_decoding_start"] == "first_token"
+    regex = "<think>[a-z ]+</think>[A-Za-z ]+"
+    req = greedy_request(chat=[("user", MESSAGES[0]["content"])], max_tokens=24)
+    req.constraint.regex = regex
+    text = collect(svc.stub.Generate(req, timeout=180))["outputs"][0]["text"]
+    reasoning, content = get_reasoning_parser("qwen3").split("", text)
+    assert text.startswith("<think>") and reasoning and content, text  # a thought and an answer
+    reply = oai.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=24, temperature=0,
+                                        extra_body={"regex": regex})
+    message = reply.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (reasoning, content)
 
 
 @pytest.mark.parametrize(

@@ -78,9 +78,16 @@ def test_the_reasoning_is_split_from_the_answer_token_by_token(tokenizer_and_spe
     async def collect():
         return [r async for r in stream.responses()]
 
-    outputs = [o for r in asyncio.run(collect()) for o in r.outputs]
+    responses = asyncio.run(collect())
+    outputs = [o for r in responses for o in r.outputs]
     assert "".join(o.reasoning_text for o in outputs) == "\n2 and 2"
     assert "".join(o.text for o in outputs) == "\n\nFour."
     assert outputs[-1].matched_stop == "STOP" and outputs[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    # the usage counts the tokens whose text is (in part) the reasoning's, "\n2 and 2"; the tags' alone do not
+    (usage,) = [r.usage for r in responses if r.HasField("usage")]
+    ends = [len(tokenizer.decode(words[:i + 1])) for i in range(len(words))]
+    start, end = len("<think>"), len("<think>\n2 and 2")
+    inside = [i for i, b in enumerate(ends) if b > start and (ends[i - 1] if i else 0) < end]
+    assert usage.reasoning_tokens == len(inside) >= 3
     if logprobs:
         assert sum(len(o.token_ids) for o in outputs) == len(outputs)  # still one token each

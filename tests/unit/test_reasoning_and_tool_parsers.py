@@ -108,6 +108,7 @@ def test_parsers_by_name_and_from_templates():
     assert choose_tool_parser_from_template("<tools></tools> <tool_call></tool_call>") == "hermes"
     assert choose_tool_parser_from_template("[AVAILABLE_TOOLS] [TOOL_CALLS]") == "mistral"
     assert choose_tool_parser_from_template("<|python_start|>") == "pythonic"
+    assert choose_tool_parser_from_template("ipython [func_name1(params_name1=params_value1), func_name2(params)]") == "pythonic"
     assert choose_tool_parser_from_template('ipython {"name": function name, "parameters": ...}') == "llama3_json"
     assert choose_tool_parser_from_template("{{ messages }}") is None
 

@@ -10,7 +10,7 @@ from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.tokenizer import ModelSpec
 from scheduler_svc.validation import check_fields
-from scheduler_svc.vllm_engine.requests import to_pagoda_request, vllm_field_error
+from scheduler_svc.vllm_engine.requests import constrained_decoding_start, to_pagoda_request, vllm_field_error
 from scheduler_svc.vllm_engine.responses import ResponseTranslator
 
 SPEC = ModelSpec(max_position_embeddings=64, vocab_size=100, eos_token_ids=(2,))
@@ -89,6 +89,17 @@ def test_the_constraint_oneof_becomes_pagodas_structured_output(sampling, expect
 
 def test_a_request_without_a_constraint_has_none():
     assert not to_pagoda_request(request(), 64).HasField("constraint")
+
+
+def test_a_constraint_starts_after_the_reasoning_of_the_engines_parser_unless_the_router_says_first_token():
+    # GetServerInfo declares it: "after_reasoning" with a reasoning parser, "first_token" without
+    assert constrained_decoding_start("qwen3") == "after_reasoning" and constrained_decoding_start("") == "first_token"
+    held = to_pagoda_request(request(regex="a+"), 64, reasoning_parser="qwen3")
+    assert held.reasoning_parser == "qwen3" and held.constraint == pb.Constraint(regex="a+")  # admission shapes it
+    led = to_pagoda_request(request(regex="a+", grammar_from_first_token=True), 64, reasoning_parser="qwen3")
+    assert led.reasoning_parser == "" and led.constraint == pb.Constraint(regex="a+")  # the router led it with the thought
+    assert to_pagoda_request(request(regex="a+"), 64).reasoning_parser == ""  # no parser: the first token
+    assert to_pagoda_request(request(), 64, reasoning_parser="qwen3").reasoning_parser == ""  # no constraint: no split
 
 
 def test_constraint_errors_name_the_protocols_field():
