@@ -10,7 +10,9 @@ another's prompts) and a gateway, then sends the same messages through `/v1/chat
 1. one short request (a one-line question, 16 output tokens at most): p50 latency of `--rounds`
    requests per API, the APIs taking turns;
 2. W48: `--num-requests` requests at once (prompts of 32-384 words, max tokens 16-160, seeded),
-   one API after the other; output tokens/s from each reply's usage.
+   one API after the other, `--w48-rounds` times with the order rotated each round (a noisy
+   machine then slows every API alike); output tokens/s from each reply's usage, the median of
+   the rounds per API.
 
 Each API's tokens must equal chat's (the same greedy answers), else the run stops.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,7 +68,7 @@ def w48(num_requests: int, seed: int = 0) -> list[tuple[str, int]]:
             for _ in range(num_requests)]
 
 
-async def measure(url: str, model: str, rounds: int, num_requests: int) -> tuple[dict, dict]:
+async def measure(url: str, model: str, rounds: int, num_requests: int, w48_rounds: int) -> tuple[dict, dict]:
     async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
         for api in APIS:  # warm: each route once
             await send(client, api, model, "Hello.", 4)
@@ -79,19 +82,23 @@ async def measure(url: str, model: str, rounds: int, num_requests: int) -> tuple
                 latency[api].append(time.perf_counter() - t0)
         assert len({frozenset(t) for t in tokens.values()}) == 1, f"APIs answered differently: {tokens}"
         load = w48(num_requests)
-        throughput, counts = {}, {}
-        for api in APIS:
-            t0 = time.perf_counter()
-            counts[api] = await asyncio.gather(*(send(client, api, model, text, n) for text, n in load))
-            throughput[api] = sum(counts[api]) / (time.perf_counter() - t0)
-        assert all(counts[api] == counts["chat"] for api in APIS), "APIs answered W48 with different lengths"
-    return latency, throughput
+        rates: dict[str, list[float]] = {api: [] for api in APIS}
+        counts = {}
+        for r in range(w48_rounds):
+            for api in APIS[r % 3:] + APIS[: r % 3]:
+                t0 = time.perf_counter()
+                counts[api] = await asyncio.gather(*(send(client, api, model, text, n) for text, n in load))
+                rates[api].append(sum(counts[api]) / (time.perf_counter() - t0))
+                print(f"W{num_requests} round {r + 1} {api}: {rates[api][-1]:.1f} out tok/s", flush=True)
+            assert all(counts[api] == counts["chat"] for api in APIS), "APIs answered W48 with different lengths"
+    return latency, {api: statistics.median(rates[api]) for api in APIS}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=20, help="short requests per API")
     parser.add_argument("--num-requests", type=int, default=48, help="requests of the W48 load")
+    parser.add_argument("--w48-rounds", type=int, default=3, help="W48 runs per API, the order rotated each round")
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the default model)")
     parser.add_argument("--executor-args", default="--num-kv-blocks 2048", help="extra executor flags")
     args = parser.parse_args()
@@ -104,13 +111,14 @@ def main() -> None:
     with Service(args.model, ["--no-enable-prefix-caching"], args.executor_args.split()) as svc, \
             Gateway(target(svc)) as gw:
         model = httpx.get(f"{gw.url}/v1/models", timeout=60).json()["data"][0]["id"]
-        latency, throughput = asyncio.run(measure(gw.url, model, args.rounds, args.num_requests))
+        latency, throughput = asyncio.run(measure(gw.url, model, args.rounds, args.num_requests, args.w48_rounds))
     p50 = {api: percentile(latency[api], 50) * 1000 for api in APIS}
     rows = [[api, p50[api], p50[api] / p50["chat"], throughput[api], throughput[api] / throughput["chat"]]
             for api in APIS]
     print(machine_line(info))
     print(f"model {model}; short request: {args.rounds} per API, 16 tokens at most; "
-          f"W{args.num_requests}: prompts 32-384 words, 16-160 tokens, all at once; not streamed, greedy")
+          f"W{args.num_requests}: prompts 32-384 words, 16-160 tokens, all at once, median of {args.w48_rounds} rotated rounds; "
+          "not streamed, greedy")
     print(format_table(["API", "p50 ms", "x chat", "W48 out tok/s", "x chat"], rows))
 
 
