@@ -37,3 +37,9 @@ class Internal(ServiceError):
     """Something failed on our side for this request alone (an executor's error pinned on it)."""
 
     code = grpc.StatusCode.INTERNAL
+
+
+class Unimplemented(ServiceError):
+    """A request the service does not serve yet (an image URL of an allowed media domain)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED

@@ -1,0 +1,189 @@
+"""A chat's images (issue 40): checked before any work, then run through the model's processor.
+
+`ChatMessage.parts` hold text and images in order. Before anything is decoded (`check_parts`,
+on the event loop: cheap): `content` and `parts` are not both set, at most `limit_images` images
+(`--limit-mm-per-prompt image=N`), each one raw bytes or a URL (not both), at most
+MAX_IMAGE_BYTES. A `data:` URL carries its bytes (base64); any other URL is refused: one whose
+domain is not in `--allowed-media-domains` as not allowed, an allowed one because fetching is not
+implemented yet (UNIMPLEMENTED). Then, on the prompt worker's threads (`ImagePrompts`):
+the header is read (PIL's `Image.open` is lazy) and the format (PNG, JPEG, WebP, GIF: its first
+frame) and the pixel count (at most MAX_IMAGE_PIXELS) checked before the pixels are decoded;
+PIL's own bomb check (`Image.MAX_IMAGE_PIXELS`) stays on beneath. Every bad image is
+INVALID_ARGUMENT naming `prompt.chat.messages[i].parts[j].image`.
+
+The chat template sees a message with parts as transformers' processors do: `content` a list of
+`{"type": "text", "text": ...}` and `{"type": "image"}` items (`scheduler_svc.chat`). The model's
+own processor (transformers', loaded from the model folder with its PIL image processor:
+torchvision does not install beside this torch) expands each image's placeholder and gives the
+pixels; `pagoda.images.image_inputs` cuts them into one `ImageInput` an image, keyed by the
+SHA-256 of its pixels (the prefix cache's extra key and the executor's encoder cache key).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from scheduler_svc.errors import InvalidArgument, Unimplemented
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LIMIT_IMAGES = 16  # --limit-mm-per-prompt image=N
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one image's encoded bytes (the gRPC message limit usually binds first)
+MAX_IMAGE_PIXELS = 25_000_000  # width x height, read from the header before decoding
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    limit_images: int = DEFAULT_LIMIT_IMAGES
+    allowed_domains: tuple[str, ...] = ()
+
+
+def parse_limit_mm(values: list[str] | None) -> int:
+    """`--limit-mm-per-prompt image=N` (also as JSON, vLLM's `{"image": N}`): the image limit."""
+    limit = DEFAULT_LIMIT_IMAGES
+    for value in values or ():
+        pairs = json.loads(value).items() if value.lstrip().startswith("{") else [value.split("=", 1)]
+        for pair in pairs:
+            if len(pair) != 2 or pair[0] != "image":
+                raise ValueError(f"{value!r}: expected image=N (only images are taken)")
+            limit = int(pair[1])
+            if limit < 0:
+                raise ValueError(f"{value!r}: N must be >= 0")
+    return limit
+
+
+def image_parts(chat) -> list[tuple[int, int, object]]:
+    """(message index, part index, `pb.Image`) of each image of `chat`, in order."""
+    return [(i, j, part.image) for i, m in enumerate(chat.messages) for j, part in enumerate(m.parts)
+            if part.WhichOneof("kind") == "image"]
+
+
+def has_images(req) -> bool:
+    return req.WhichOneof("prompt") == "chat" and any(
+        part.WhichOneof("kind") == "image" for m in req.chat.messages for part in m.parts)
+
+
+def check_parts(chat, field: str, media: MediaConfig) -> None:
+    """The checks that need no decoding; InvalidArgument naming the field."""
+    num_images = 0
+    for i, m in enumerate(chat.messages):
+        if m.parts and m.content:
+            raise InvalidArgument(f"{field}.messages[{i}].parts", "content and parts are not both set")
+        for j, part in enumerate(m.parts):
+            kind = part.WhichOneof("kind")
+            if kind is None:
+                raise InvalidArgument(f"{field}.messages[{i}].parts[{j}]", "one of text or image is required")
+            if kind != "image":
+                continue
+            num_images += 1
+            name = f"{field}.messages[{i}].parts[{j}].image"
+            if num_images > media.limit_images:
+                raise InvalidArgument(name, f"more than {media.limit_images} images in one prompt (--limit-mm-per-prompt image=N)")
+            image = part.image
+            if image.data and image.url:
+                raise InvalidArgument(name, "one of data or url, not both")
+            if not image.data and not image.url:
+                raise InvalidArgument(name, "one of data or url is required")
+            if image.data:
+                if len(image.data) > MAX_IMAGE_BYTES:
+                    raise InvalidArgument(name, f"{len(image.data)} bytes, more than {MAX_IMAGE_BYTES}")
+            elif image.url.startswith("data:"):
+                if len(image.url) > MAX_IMAGE_BYTES * 4 // 3 + 256:
+                    raise InvalidArgument(name, f"a data: URL of {len(image.url)} characters, more than {MAX_IMAGE_BYTES} bytes hold")
+            else:
+                host = urlsplit(image.url).hostname or ""
+                if not any(host == d or host.endswith("." + d) for d in media.allowed_domains):
+                    raise InvalidArgument(f"{name}.url", f"only data: URLs, or URLs of --allowed-media-domains "
+                                                         f"(none allowed for {host!r}); or send the bytes in data")
+                raise Unimplemented(f"{name}.url: fetching image URLs is not implemented yet; send the bytes in data or a data: URL")
+
+
+def image_bytes(image, name: str) -> bytes:
+    if image.data:
+        return image.data
+    header, sep, payload = image.url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise InvalidArgument(f"{name}.url", "a data: URL must be data:<type>;base64,<payload>")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidArgument(f"{name}.url", f"not base64: {exc}") from None
+
+
+def decode_image(data: bytes, name: str):
+    """The image as an RGB PIL image; the format and pixel count checked from the header first."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise InvalidArgument(name, f"{len(data)} bytes, more than {MAX_IMAGE_BYTES}")
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
+    except UnidentifiedImageError:
+        raise InvalidArgument(name, f"not an image of a supported format ({', '.join(FORMATS)})") from None
+    except Image.DecompressionBombError as exc:
+        raise InvalidArgument(name, f"too many pixels: {exc}") from None
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InvalidArgument(name, f"{width}x{height} pixels, more than {MAX_IMAGE_PIXELS}")
+    if width == 0 or height == 0:
+        raise InvalidArgument(name, f"{width}x{height} pixels: empty")
+    try:
+        image.seek(0)  # GIF: the first frame
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise InvalidArgument(name, f"cannot be decoded ({image.format}): {exc}") from None
+
+
+def is_vision_language(model_dir: Path | str) -> bool:
+    try:
+        return "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+class ImagePrompts:
+    """The model's processor and the image token: a chat with images as token ids and `ImageInput`s."""
+
+    def __init__(self, processor, image_token_id: int):
+        self.processor = processor
+        self.image_token_id = image_token_id
+
+    @classmethod
+    def load(cls, model_dir: Path | str | None) -> ImagePrompts | None:
+        """The folder's processor, or None for a text-only model (or a folder without one: logged)."""
+        if model_dir is None or not is_vision_language(model_dir):
+            return None
+        from transformers import AutoProcessor
+
+        try:
+            processor = AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+        except Exception as exc:  # a folder without processor files, say: images are then refused
+            log.warning("the model folder's processor does not load (%s): requests with images are refused", exc)
+            return None
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        token_id = getattr(processor, "image_token_id", None)
+        if token_id is None:
+            token_id = config.get("image_token_id", config.get("image_token_index"))
+        if token_id is None:
+            log.warning("no image token in the processor or config.json: requests with images are refused")
+            return None
+        return cls(processor, int(token_id))
+
+    def prompt(self, text: str, images: list, max_tokens: int | None):
+        """(token ids, ImageInputs) of the rendered chat `text` with its decoded `images`."""
+        from pagoda.images import image_inputs
+
+        features = self.processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
+        ids = features["input_ids"][0].tolist()
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise InvalidArgument("prompt.chat", f"{len(ids)} tokens (its images' included) leave no room to generate "
+                                                 f"within {max_tokens + 1} tokens (max_model_len)")
+        return ids, image_inputs(ids, features, self.image_token_id)
