@@ -186,4 +186,11 @@ class ImagePrompts:
         if max_tokens is not None and len(ids) > max_tokens:
             raise InvalidArgument("prompt.chat", f"{len(ids)} tokens (its images' included) leave no room to generate "
                                                  f"within {max_tokens + 1} tokens (max_model_len)")
-        return ids, image_inputs(ids, features, self.image_token_id)
+        lengths = None
+        counts = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        if counts is not None and len(images) > 1:  # images side by side: their runs touch
+            try:
+                lengths = list(counts(image_sizes=[(image.height, image.width) for image in images]).num_image_tokens)
+            except Exception:  # (a processor without the counts for images)
+                lengths = None
+        return ids, image_inputs(ids, features, self.image_token_id, lengths=lengths)
