@@ -169,9 +169,11 @@ class ImagePrompts:
             log.warning("the model folder's processor does not load (%s): requests with images are refused", exc)
             return None
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        token_id = getattr(processor, "image_token_id", None)
+        # the model's placeholder (the one its encoder output replaces): Gemma 3's processor names its
+        # <start_of_image> image_token_id, while its soft tokens are the config's image_token_index
+        token_id = config.get("image_token_id", config.get("image_token_index"))
         if token_id is None:
-            token_id = config.get("image_token_id", config.get("image_token_index"))
+            token_id = getattr(processor, "image_token_id", None)
         if token_id is None:
             log.warning("no image token in the processor or config.json: requests with images are refused")
             return None

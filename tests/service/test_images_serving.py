@@ -1,10 +1,13 @@
 """Images over gRPC (issue 40): a tiny LLaVA folder with its processor saved in it, served end to end.
 
-One service for the module (--limit-mm-per-prompt image=2). A chat whose user message has an image
+One LLaVA service for the module (--limit-mm-per-prompt image=2). A chat whose user message has an image
 part gives transformers' greedy `generate` on the same processor output, token for token; another
 image gives another answer; the same image again hits the prefix cache, another image does not;
 each bad image is INVALID_ARGUMENT naming `prompt.chat.messages[i].parts[j].image` before any
 work, and the service keeps serving. A text-only model refuses images (at the prompt worker).
+A tiny Gemma 3 served with 8-token chunks: its executor registers whole_image_chunks, so a chunk
+that would end inside an image's soft tokens is cut before it (the executor fails one that does
+not), and the answers equal transformers'.
 """
 
 from __future__ import annotations
@@ -198,3 +201,75 @@ def test_a_text_only_model_refuses_images(default_model_dir):
         assert err.value.field == "prompt.chat.messages[0].parts[1].image" and "takes no images" in str(err.value)
     finally:
         worker.close()
+
+
+GEMMA_TEMPLATE = TEMPLATE.replace("<image>", "<start_of_image>")
+BUDGET = 8
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, default_model_dir):
+    """(folder, processor, transformers' model) of a tiny Gemma 3: 28 px images, 14 px patches pooled to 4 soft tokens."""
+    import transformers as T
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from tests.model_families import tiny_config
+
+    tokenizer = T.AutoTokenizer.from_pretrained(
+        str(default_model_dir),
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+    )
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    processor = T.Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}, do_pan_and_scan=False),
+        tokenizer=tokenizer, image_seq_length=4, chat_template=GEMMA_TEMPLATE,
+    )
+    text = tiny_config("gemma3")
+    text.vocab_size = len(tokenizer)
+    vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=28, patch_size=14)
+    config = T.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                            boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+                            image_token_index=tokenizer.image_token_id, eos_token_id=2)
+    torch.manual_seed(1)
+    model = T.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # (initialised to zeros: images would change nothing)
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.3)
+    out_dir = tmp_path_factory.mktemp("gemma3")
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir, processor, model.eval()
+
+
+def test_gemma3_chunks_are_cut_before_an_image_and_equal_transformers(gemma3):
+    _, processor, _ = gemma3
+    image_id = processor.tokenizer.image_token_id
+    straddling = []
+    for words in range(12):  # questions whose image a chunk of 8 would end inside
+        question = "Look " * words
+        text = processor.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "text", "text": question}, {"type": "image"}, {"type": "text", "text": "?"}]}],
+            tokenize=False, add_generation_prompt=True)
+        ids = processor(text=[text], images=[WIDE], add_special_tokens=False)["input_ids"][0]
+        offset = ids.index(image_id)
+        if offset // BUDGET != (offset + 3) // BUDGET:
+            straddling.append(question)
+    assert len(straddling) >= 2
+    with Service(model=str(gemma3[0]), scheduler_args=["--max-num-batched-tokens", str(BUDGET)]) as service:
+        for question, picture in zip(straddling[:2], (WIDE, TALL)):
+            out = collect(service.stub.Generate(image_chat([question, encoded(picture), "?"]), timeout=300))
+            assert out["outputs"][0]["token_ids"] == gemma_reference(gemma3, picture, question)
+
+
+def gemma_reference(gemma3, picture, question: str) -> list[int]:
+    _, processor, model = gemma3
+    content = [{"type": "text", "text": question}, {"type": "image"}, {"type": "text", "text": "?"}]
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[picture], add_special_tokens=False, return_tensors="pt")
+    kwargs = {k: v for k, v in inputs.items() if k != "attention_mask"}
+    with torch.no_grad():
+        out = model.generate(**kwargs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
