@@ -38,8 +38,3 @@ class Internal(ServiceError):
 
     code = grpc.StatusCode.INTERNAL
 
-
-class Unimplemented(ServiceError):
-    """A request the service does not serve yet (an image URL of an allowed media domain)."""
-
-    code = grpc.StatusCode.UNIMPLEMENTED

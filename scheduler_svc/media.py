@@ -3,9 +3,10 @@
 `ChatMessage.parts` hold text and images in order. Before anything is decoded (`check_parts`,
 on the event loop: cheap): `content` and `parts` are not both set, at most `limit_images` images
 (`--limit-mm-per-prompt image=N`), each one raw bytes or a URL (not both), at most
-MAX_IMAGE_BYTES. A `data:` URL carries its bytes (base64); any other URL is refused: one whose
-domain is not in `--allowed-media-domains` as not allowed, an allowed one because fetching is not
-implemented yet (UNIMPLEMENTED). Then, on the prompt worker's threads (`ImagePrompts`):
+MAX_IMAGE_BYTES. A `data:` URL carries its bytes (base64); any other URL must be http(s) of a
+domain in `--allowed-media-domains` (off by default: nothing a request names is fetched). Then, on
+the prompt worker's threads: an allowed URL is fetched (redirects only to allowed domains too,
+within FETCH_TIMEOUT_S in all and MAX_IMAGE_BYTES; a failure is INVALID_ARGUMENT naming the url),
 the header is read (PIL's `Image.open` is lazy) and the format (PNG, JPEG, WebP, GIF: its first
 frame) and the pixel count (at most MAX_IMAGE_PIXELS) checked before the pixels are decoded;
 PIL's own bomb check (`Image.MAX_IMAGE_PIXELS`) stays on beneath. Every bad image is
@@ -23,20 +24,24 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import json
 import logging
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from scheduler_svc.errors import InvalidArgument, Unimplemented
+from scheduler_svc.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LIMIT_IMAGES = 16  # --limit-mm-per-prompt image=N
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one image's encoded bytes (the gRPC message limit usually binds first)
 MAX_IMAGE_PIXELS = 25_000_000  # width x height, read from the header before decoding
+FETCH_TIMEOUT_S = 10.0  # an image URL of an allowed domain: fetched within this, in all
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
 
@@ -99,16 +104,63 @@ def check_parts(chat, field: str, media: MediaConfig) -> None:
                 if len(image.url) > MAX_IMAGE_BYTES * 4 // 3 + 256:
                     raise InvalidArgument(name, f"a data: URL of {len(image.url)} characters, more than {MAX_IMAGE_BYTES} bytes hold")
             else:
-                host = urlsplit(image.url).hostname or ""
-                if not any(host == d or host.endswith("." + d) for d in media.allowed_domains):
-                    raise InvalidArgument(f"{name}.url", f"only data: URLs, or URLs of --allowed-media-domains "
-                                                         f"(none allowed for {host!r}); or send the bytes in data")
-                raise Unimplemented(f"{name}.url: fetching image URLs is not implemented yet; send the bytes in data or a data: URL")
+                check_url(image.url, f"{name}.url", media.allowed_domains)
 
 
-def image_bytes(image, name: str) -> bytes:
+def _allowed(host: str, domains) -> bool:
+    return bool(host) and any(host == d or host.endswith("." + d) for d in domains)
+
+
+def check_url(url: str, field: str, domains) -> None:
+    """An http(s) URL of an allowed domain (or a subdomain of one); InvalidArgument otherwise."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https") or not _allowed(host, domains):
+        raise InvalidArgument(field, f"only data: URLs, or http(s) URLs of --allowed-media-domains (none allowed for "
+                                     f"{parts.scheme}://{host}); or send the bytes in data")
+
+
+class _AllowedRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects followed only to allowed domains."""
+
+    def __init__(self, domains, field: str):
+        self.domains, self.field = domains, field
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        check_url(newurl, self.field, self.domains)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def fetch_image(url: str, field: str, domains, timeout: float = FETCH_TIMEOUT_S) -> bytes:
+    """The bytes at `url` (an allowed domain's; redirects too), within `timeout` seconds in all and MAX_IMAGE_BYTES."""
+    check_url(url, field, domains)
+    deadline = time.monotonic() + timeout
+    opener = urllib.request.build_opener(_AllowedRedirects(domains, field))
+    chunks, size = [], 0
+    try:
+        with opener.open(urllib.request.Request(url, headers={"User-Agent": "pagoda"}), timeout=timeout) as response:
+            length = response.headers.get("Content-Length")
+            if length and length.isdigit() and int(length) > MAX_IMAGE_BYTES:
+                raise InvalidArgument(field, f"{length} bytes, more than {MAX_IMAGE_BYTES}")
+            while chunk := response.read(64 * 1024):
+                size += len(chunk)
+                if size > MAX_IMAGE_BYTES:
+                    raise InvalidArgument(field, f"more than {MAX_IMAGE_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise InvalidArgument(field, f"not fetched within {timeout:g} s")
+                chunks.append(chunk)
+    except InvalidArgument:
+        raise
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # URLError, HTTPError and timeouts are OSErrors
+        raise InvalidArgument(field, f"could not be fetched: {exc}") from None
+    return b"".join(chunks)
+
+
+def image_bytes(image, name: str, domains=()) -> bytes:
     if image.data:
         return image.data
+    if not image.url.startswith("data:"):
+        return fetch_image(image.url, f"{name}.url", domains)
     header, sep, payload = image.url.partition(",")
     if not sep or not header.endswith(";base64"):
         raise InvalidArgument(f"{name}.url", "a data: URL must be data:<type>;base64,<payload>")

@@ -142,7 +142,7 @@ class PromptWorker:
         pictures = []
         for i, j, image in image_parts(req.chat):
             name = f"prompt.chat.messages[{i}].parts[{j}].image"
-            pictures.append(decode_image(image_bytes(image, name), name))
+            pictures.append(decode_image(image_bytes(image, name, self.media.allowed_domains), name))
         text = chat_text(req.chat, self.tokenizer, "prompt.chat")
         return self.images.prompt(text, pictures, self.max_model_len - 1)
 
