@@ -215,12 +215,17 @@ class ImagePrompts:
             return None
         from transformers import AutoProcessor
 
+        config = json.loads((Path(model_dir) / "config.json").read_text())
         try:
-            processor = AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+            if config.get("model_type") in QwenVLProcessor.MODEL_TYPES:
+                processor = QwenVLProcessor.load(model_dir, config)
+            else:
+                processor = AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+                if not hasattr(processor, "image_processor"):  # (a tokenizer: the folder has no processor files)
+                    raise ValueError("no image processor in the folder")
         except Exception as exc:  # a folder without processor files, say: images are then refused
             log.warning("the model folder's processor does not load (%s): requests with images are refused", exc)
             return None
-        config = json.loads((Path(model_dir) / "config.json").read_text())
         # the model's placeholder (the one its encoder output replaces): Gemma 3's processor names its
         # <start_of_image> image_token_id, while its soft tokens are the config's image_token_index
         token_id = config.get("image_token_id", config.get("image_token_index"))
@@ -248,3 +253,36 @@ class ImagePrompts:
             except Exception:  # (a processor without the counts for images)
                 lengths = None
         return ids, image_inputs(ids, features, self.image_token_id, lengths=lengths)
+
+
+class QwenVLProcessor:
+    """Qwen2-VL / Qwen2.5-VL's processor for images: transformers' class also builds a video processor,
+    which needs torchvision (not installable beside this torch). So, as `Qwen2VLProcessor.__call__`
+    does for images: the folder's PIL image processor gives the patches and each image's grid
+    (t, h, w), and each `<|image_pad|>` the template wrote becomes t * h * w / merge_size^2 of them."""
+
+    MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+    def __init__(self, tokenizer, image_processor, image_token: str):
+        self.tokenizer, self.image_processor, self.image_token = tokenizer, image_processor, image_token
+
+    @classmethod
+    def load(cls, model_dir: Path | str, config: dict) -> QwenVLProcessor:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        image_processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+        return cls(tokenizer, image_processor, tokenizer.convert_ids_to_tokens(int(config["image_token_id"])))
+
+    def __call__(self, text: list[str], images: list, add_special_tokens: bool = False, return_tensors: str = "pt"):
+        import torch
+
+        features = dict(self.image_processor(images=images, return_tensors="pt"))
+        pieces = text[0].split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise InvalidArgument("prompt.chat", f"the chat template wrote {len(pieces) - 1} image placeholders "
+                                                 f"for {len(images)} images")
+        counts = (features["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2).tolist()
+        expanded = pieces[0] + "".join(self.image_token * count + piece for count, piece in zip(counts, pieces[1:]))
+        ids = self.tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"]
+        return {"input_ids": torch.tensor([ids]), **features}

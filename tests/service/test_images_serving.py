@@ -273,3 +273,46 @@ def gemma_reference(gemma3, picture, question: str) -> list[int]:
     with torch.no_grad():
         out = model.generate(**kwargs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_qwen2_5_vl_prompts_are_what_its_processor_gives(tmp_path, default_model_dir):
+    """Qwen2.5-VL's processor class needs torchvision: the prompt worker expands its image pads from the
+    folder's image processor as that class does (the runner's test checks such inputs against transformers)."""
+    import transformers as T
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from pagoda.images import image_inputs
+    from scheduler_svc.prompts import PromptWorker
+    from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
+    from tests.executor.test_images import qwen_inputs
+
+    tokenizer = T.AutoTokenizer.from_pretrained(str(default_model_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]})
+    tokenizer.chat_template = TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 12, patch_size=14, merge_size=2, temporal_patch_size=2)
+    ids = tokenizer.convert_tokens_to_ids
+    config = T.Qwen2_5_VLConfig(text_config={"vocab_size": len(tokenizer)}, image_token_id=ids("<|image_pad|>"),
+                                vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+    config.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    images.save_pretrained(tmp_path)
+    scheduler_tokenizer = load_tokenizer(tmp_path)
+    worker = PromptWorker(scheduler_tokenizer, read_model_spec(tmp_path, scheduler_tokenizer), 512, model_dir=tmp_path)
+    try:
+        params = asyncio.run(worker.generate_params(image_chat(["Look: ", encoded(WIDE), encoded(TALL), " which?"])))
+    finally:
+        worker.close()
+    before = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image"}]}],
+                                           tokenize=False).removesuffix("<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n")
+    wide = qwen_inputs(tokenizer, images, config, before, WIDE, "")
+    tall = qwen_inputs(tokenizer, images, config, "", TALL, " which?<|im_end|>\n<|im_start|>assistant\n")
+    expected_ids = wide["input_ids"][0].tolist() + tall["input_ids"][0].tolist()
+    assert params.prompt_token_ids == expected_ids
+    assert [(i.offset, i.length) for i in params.images] == [
+        (i.offset, i.length) for i in image_inputs(expected_ids, {"pixel_values": torch.cat([wide["pixel_values"], tall["pixel_values"]]),
+                                                                  "image_grid_thw": torch.cat([wide["image_grid_thw"], tall["image_grid_thw"]])},
+                                                   config.image_token_id)]
+    for got, inputs in zip(params.images, (wide, tall)):
+        tensors = {t.name: t.to_torch() for t in got.tensors}
+        assert torch.equal(tensors["pixel_values"], inputs["pixel_values"])
+        assert torch.equal(tensors["image_grid_thw"], inputs["image_grid_thw"])
