@@ -248,6 +248,7 @@ class Worker:
             weight_bytes=runner.weight_bytes,
             kv_cache_groups=wire.kv_cache_groups_to_proto(runner.kv_cache_groups),
             runner=getattr(runner, "runner", "generate"),
+            whole_image_chunks=bool(getattr(getattr(runner, "config", None), "image_bidirectional", False)),
         )
 
     # ---- steady state ----------------------------------------------------------------------

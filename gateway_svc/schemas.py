@@ -164,8 +164,8 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
-    """A part of a message's content; only `text` parts are supported (others are a 400 naming the
-    part, see `translate.chat_messages`)."""
+    """A part of a message's content: `text`, or `image_url` (others are a 400 naming the part, see
+    `translate.chat_messages`)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -90,24 +90,36 @@ def chat_params(req: ChatCompletionRequest, constraint: dict, adapter: str | Non
                    skip_special_tokens=False if special_tokens else None)
 
 
-_IMAGE_PARTS = ("image_url", "input_image", "image")
+_IMAGE_PARTS = ("input_image", "image")  # the Responses and Anthropic names: chat takes "image_url"
 
 
-def _content_text(i: int, parts: list[ContentPart]) -> str:
-    """List-form content as one text: its "text" parts joined with newlines, as vLLM joins them for
-    a chat template that takes text. Image parts are refused until the gateway sends images."""
-    texts = []
+def _content_text(i: int, parts: list[ContentPart]) -> str | list[dict]:
+    """List-form content: its "text" parts joined with newlines, as vLLM joins them for a chat
+    template that takes text; with an "image_url" part, the parts in order (the scheduler sends them
+    as `ChatMessage.parts`; it takes a `data:` URL, or one of its --allowed-media-domains)."""
+    texts, items = [], []
     for j, part in enumerate(parts):
         param = f"messages.{i}.content.{j}"
+        if part.type == "image_url":
+            image_url = (part.model_extra or {}).get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else None
+            if not isinstance(url, str) or not url:
+                raise GatewayError(400, f"{param}.image_url.url: required, a data: URL or an image's URL",
+                                   param=f"{param}.image_url.url")
+            items.append({"type": "image_url", "image_url": {"url": url}})
+            continue
         if part.type in _IMAGE_PARTS:
-            raise GatewayError(400, f"{param}: image parts ({part.type!r}) are not supported yet; "
-                                    f"send text parts only", param=param)
+            raise GatewayError(400, f"{param}: content part type {part.type!r} is not supported; "
+                                    f"use \"image_url\"", param=param)
         if part.type != "text":
             raise GatewayError(400, f"{param}: content part type {part.type!r} is not supported; "
                                     f"use \"text\"", param=param)
         if part.text is None:
             raise GatewayError(400, f"{param}.text: required for a \"text\" part", param=f"{param}.text")
         texts.append(part.text)
+        items.append({"type": "text", "text": part.text})
+    if any(item["type"] == "image_url" for item in items):
+        return items
     return "\n".join(texts)
 
 

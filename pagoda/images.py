@@ -25,12 +25,27 @@ def placeholder_spans(token_ids: list[int], image_token_id: int) -> list[tuple[i
     return spans
 
 
-def image_inputs(token_ids: list[int], features, image_token_id: int, hashes: list[str] | None = None) -> tuple[ImageInput, ...]:
+def split_spans(spans: list[tuple[int, int]], lengths: list[int]) -> list[tuple[int, int]]:
+    """`spans` cut into runs of `lengths` tokens in order (images side by side: LLaVA's runs touch)."""
+    out, queue = [], list(lengths)
+    for offset, length in spans:
+        while length > 0 and queue and queue[0] <= length:
+            out.append((offset, queue[0]))
+            offset, length = offset + queue[0], length - queue.pop(0)
+        if length:
+            raise ValueError(f"a run of {length} image tokens left at {offset} does not fit the images' lengths {lengths}")
+    return out
+
+
+def image_inputs(
+    token_ids: list[int], features, image_token_id: int, hashes: list[str] | None = None, lengths: list[int] | None = None
+) -> tuple[ImageInput, ...]:
     """One `ImageInput` a run of image tokens of `token_ids` (one prompt's processor output
     `features`: "pixel_values" [images, C, H, W], and "image_sizes" where the processor gives it;
     or Qwen2.5-VL's flattened patches [patches, D] with "image_grid_thw" [images, 3]).
 
-    `hashes`: each image's content hash (hex); by default the SHA-256 of its pixel values' bytes."""
+    `hashes`: each image's content hash (hex); by default the SHA-256 of its pixel values' bytes.
+    `lengths`: each image's token count, to tell apart images whose runs touch (fewer runs than images)."""
     spans = placeholder_spans(token_ids, image_token_id)
     pixels = features["pixel_values"]
     grids = features.get("image_grid_thw")
@@ -39,6 +54,8 @@ def image_inputs(token_ids: list[int], features, image_token_id: int, hashes: li
         pixel_rows = [(0 if i == 0 else ends[i - 1], end) for i, end in enumerate(ends)]
     else:
         pixel_rows = [(i, i + 1) for i in range(pixels.shape[0])]
+    if len(spans) < len(pixel_rows) and lengths is not None and len(lengths) == len(pixel_rows):
+        spans = split_spans(spans, lengths)
     if len(spans) != len(pixel_rows):
         raise ValueError(f"{len(spans)} runs of the image token {image_token_id}, {len(pixel_rows)} images of pixel values")
     per_image = [name for name in ("image_sizes", "image_grid_thw") if name in features]

@@ -25,6 +25,7 @@ from scheduler_svc.errors import ServiceError
 from scheduler_svc.lora_registry import parse_lora_modules
 from scheduler_svc.pooling_requests import PoolingFrontEnd
 from scheduler_svc.server import DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_MAX_REQUEST_BYTES, build_server
+from scheduler_svc.media import DEFAULT_LIMIT_IMAGES, MediaConfig, parse_limit_mm
 from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
 
 log = logging.getLogger("scheduler_svc")
@@ -94,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p, "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request message gRPC accepts (default 4 MiB, gRPC's own; larger ones get RESOURCE_EXHAUSTED)",
     )
+    add_flag(p, "--limit-mm-per-prompt", nargs="+", default=[], help="images one prompt may hold: image=N "
+             f"(default {DEFAULT_LIMIT_IMAGES})")
+    add_flag(p, "--allowed-media-domains", nargs="+", default=[], help="domains whose image URLs a request may name "
+             "(off by default: only data: URLs and bytes)")
     add_flag(p, "--log-level", default="INFO")
     add_flag(p, "--reasoning-parser", default="auto", choices=["auto", *reasoning_parser_names()],
              help="split chat outputs' reasoning (`<think>`...) from the answer (auto: from the chat template)")
@@ -135,6 +140,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.api_key = [os.environ[env_name("--api-key")]]
     if args.max_kv_blocks is not None and args.max_kv_blocks < 2:
         p.error("--max-kv-blocks must be at least 2")
+    try:
+        parse_limit_mm(args.limit_mm_per_prompt)
+    except ValueError as exc:
+        p.error(f"--limit-mm-per-prompt {exc}")
     for flag in (
         "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting_requests", "max_request_bytes",
         "max_concurrent_streams",
@@ -266,6 +275,7 @@ async def _listen(
         server, port = await build_server(
             engine, spec, model_name, address, api_keys, credentials, args.max_request_bytes, model_dir=model_dir,
             max_concurrent_streams=args.max_concurrent_streams, pooling=pooling, **parsers(args, engine.tokenizer),
+            media=MediaConfig(parse_limit_mm(args.limit_mm_per_prompt), tuple(args.allowed_media_domains)),
         )
     except (OSError, RuntimeError) as exc:
         cause = getattr(exc, "strerror", None) or "the port is in use or the address is not local"

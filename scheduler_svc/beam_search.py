@@ -129,6 +129,7 @@ class BeamSearch:
     cache_salt: str = ""
     tenant: str = ""  # who sent it: every beam counts against its tenant's share of running slots
     lora: str = ""  # the LoRA adapter every beam runs with
+    images: tuple = ()  # a chat's images (pagoda.step.ImageInput): every beam's request carries them
     arrival_time: float = 0.0
     generation: int = field(default=0, init=False)
     done: bool = field(default=False, init=False)
@@ -174,6 +175,7 @@ class BeamSearch:
             cache_salt=self.cache_salt,
             tenant=self.tenant,
             lora=self.lora,
+            images=self.images,
         )
 
     # ---- one generation -------------------------------------------------------------------

@@ -54,6 +54,9 @@ def template_input(chat, field: str) -> tuple[list[dict], list[dict] | None]:
         if not m.role:
             raise InvalidArgument(f"{field}.messages[{i}].role", "must not be empty")
         message = {"role": m.role, "content": m.content}
+        if m.parts:  # as transformers' processors give them to the template (media.check_parts: not with content)
+            message["content"] = [{"type": "text", "text": part.text} if part.WhichOneof("kind") == "text" else {"type": "image"}
+                                  for part in m.parts]
         if m.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function",
@@ -81,6 +84,11 @@ _RESERVED_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
 })
+
+
+def message_chars(m) -> str:
+    """The text of a message: its content, or its parts' texts."""
+    return m.content or "".join(part.text for part in m.parts)
 
 
 def template_kwargs(chat, field: str) -> dict:

@@ -37,3 +37,4 @@ class Internal(ServiceError):
     """Something failed on our side for this request alone (an executor's error pinned on it)."""
 
     code = grpc.StatusCode.INTERNAL
+

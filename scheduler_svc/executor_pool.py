@@ -300,6 +300,7 @@ class ExecutorPool:
                 kv_cache_groups=groups,
                 max_loras=self.config.max_loras if self.config.enable_lora else 0,
                 max_running_per_tenant=self.config.max_running_per_tenant,
+                whole_image_chunks=msg.whole_image_chunks,
             )
         )
 

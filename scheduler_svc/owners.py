@@ -74,6 +74,7 @@ class SampleOwner:
                 cache_salt=params.cache_salt,
                 tenant=stream.tenant,
                 lora=params.lora,
+                images=params.images,
             )
             owners.append(cls(stream, sample, request, metrics))
         return owners
@@ -146,6 +147,7 @@ class BeamOwner:
             cache_salt=params.cache_salt,
             tenant=stream.tenant,
             lora=params.lora,
+            images=params.images,
         )
         return cls(stream, search, metrics)
 

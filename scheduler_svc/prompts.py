@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -44,10 +45,12 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.v1 import generation_pb2 as pb
+from scheduler_svc.chat import message_chars
 from scheduler_svc.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from scheduler_svc.media import ImagePrompts, MediaConfig, check_parts, decode_image, has_images, image_bytes, image_parts
 from scheduler_svc.tokenizer import ModelSpec, TooManyTokens, encode_text, load_tokenizer
 from scheduler_svc.validation import (
-    GenerateParams, build_params, chat_token_ids, check_fields, counted_chars, prompt_token_ids,
+    GenerateParams, build_params, chat_text, chat_token_ids, check_fields, counted_chars, prompt_token_ids,
 )
 
 log = logging.getLogger(__name__)
@@ -76,8 +79,10 @@ class PromptWorker:
         threads: int = PROMPT_THREADS,
         model_dir: Path | str | None = None,
         offload_chars: int = OFFLOAD_CHARS,
+        media: MediaConfig = MediaConfig(),
     ):
-        """`model_dir`: where the child process loads the same tokenizer; None: no child, threads only."""
+        """`model_dir`: where the child process loads the same tokenizer (None: no child, threads only), and a
+        vision-language model's processor (`media.ImagePrompts`); `media`: the limits on a chat's images."""
         self.tokenizer = tokenizer
         self.spec = spec
         self.max_model_len = max_model_len
@@ -85,6 +90,8 @@ class PromptWorker:
         self.tokenize_max_tokens = max(max_model_len, MAX_TOKENIZE_TOKENS)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self._child = TokenizeProcess(model_dir, self._pool) if model_dir is not None else None
+        self.media = media
+        self.images = ImagePrompts.load(model_dir)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -101,11 +108,15 @@ class PromptWorker:
         if kind == "text":
             return len(req.text) > self.offload_chars
         if kind == "chat":
-            return sum(len(m.content) for m in req.chat.messages) > self.offload_chars
+            return sum(len(message_chars(m)) for m in req.chat.messages) > self.offload_chars
         return False
 
     async def generate_params(self, req: pb.GenerateRequest) -> GenerateParams:
         """validate_generate, with the prompt tokenized off the loop once the cheap checks pass."""
+        if req.WhichOneof("prompt") == "chat":
+            check_parts(req.chat, "prompt.chat", self.media)
+            if has_images(req):
+                return await self._image_params(req)
         if self._long(req):  # its 4 MB text alone: check_fields counts ignored characters in 6-7 ms
             sampling = await self._run(check_fields, req, self.spec, self.max_model_len)
         else:
@@ -117,8 +128,31 @@ class PromptWorker:
             ids = await self._run(prompt_token_ids, req, self.tokenizer, self.spec.vocab_size, self.max_model_len)
         return build_params(req, sampling, ids, self.spec, self.max_model_len)
 
+    async def _image_params(self, req: pb.GenerateRequest) -> GenerateParams:
+        """A chat with images: the cheap checks, then on the threads its images decoded and the processor run."""
+        if self.images is None:
+            i, j, _ = image_parts(req.chat)[0]
+            raise InvalidArgument(f"prompt.chat.messages[{i}].parts[{j}].image",
+                                  "this model takes no images (a text-only model, or its folder has no processor)")
+        sampling = check_fields(req, self.spec, self.max_model_len)
+        ids, images = await self._run(self._image_prompt, req)
+        return dataclasses.replace(build_params(req, sampling, ids, self.spec, self.max_model_len), images=images)
+
+    def _image_prompt(self, req: pb.GenerateRequest):
+        pictures = []
+        for i, j, image in image_parts(req.chat):
+            name = f"prompt.chat.messages[{i}].parts[{j}].image"
+            pictures.append(decode_image(image_bytes(image, name, self.media.allowed_domains), name))
+        text = chat_text(req.chat, self.tokenizer, "prompt.chat")
+        return self.images.prompt(text, pictures, self.max_model_len - 1)
+
     async def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
         self._check_tokenize_chars(req)
+        if req.WhichOneof("prompt") == "chat":
+            check_parts(req.chat, "chat", self.media)
+            if has_images(req):
+                i, j, _ = image_parts(req.chat)[0]
+                raise InvalidArgument(f"chat.messages[{i}].parts[{j}].image", "Tokenize does not take images yet")
         if self._offload(req):
             size, count, data = await self._child.run(_child_tokenize, req.SerializeToString(), self.tokenize_max_tokens)
             reply = None if size > MAX_REPLY_BYTES else await self._run(pb.TokenizeResponse.FromString, data)
@@ -139,7 +173,7 @@ class PromptWorker:
         if kind == "text":
             num_chars = len(req.text)
         elif kind == "chat":
-            num_chars = sum(len(m.content) for m in req.chat.messages)
+            num_chars = sum(len(message_chars(m)) for m in req.chat.messages)
         else:
             return
         limit = self.tokenize_max_tokens * self.spec.max_token_chars

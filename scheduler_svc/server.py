@@ -30,6 +30,7 @@ from pagoda.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.auth import ApiKey, ApiKeyInterceptor, current_tenant
 from scheduler_svc.client_stream import ClientStream
 from scheduler_svc.constraint_check import ConstraintChecker
+from scheduler_svc.media import MediaConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import InvalidArgument, ServiceError
 from scheduler_svc.lora_registry import FailedPrecondition, NotFound
@@ -54,6 +55,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(
         self, engine: Engine, spec: ModelSpec, model_name: str, model_dir: Path | str | None = None,
         pooling: PoolingFrontEnd | None = None, reasoning_parser: str = "", tool_call_parser: str = "",
+        media: MediaConfig = MediaConfig(),
     ):
         """`model_dir`: the tokenizer's directory, for the child process that tokenizes huge texts (prompts.py);
         `pooling`: the pooling model's rules (--runner pooling: Embed and Rerank, no Generate);
@@ -64,7 +66,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.pooling = pooling
         self.spec = spec
         self.model_name = model_name
-        self.prompts = PromptWorker(engine.tokenizer, spec, engine.config.max_model_len, model_dir=model_dir)
+        self.prompts = PromptWorker(engine.tokenizer, spec, engine.config.max_model_len, model_dir=model_dir, media=media)
         self.constraints = ConstraintChecker(model_dir or engine.tokenizer.name_or_path)
 
     async def submit(self, request: pb.GenerateRequest) -> tuple[GenerateParams, ClientStream]:
@@ -262,6 +264,7 @@ async def build_server(
     pooling: PoolingFrontEnd | None = None,
     reasoning_parser: str = "",
     tool_call_parser: str = "",
+    media: MediaConfig = MediaConfig(),
 ) -> tuple[grpc.aio.Server, int]:
     """The server on `address`: API keys required when `api_keys`, TLS when `credentials`.
 
@@ -271,7 +274,7 @@ async def build_server(
     server = grpc.aio.server(
         interceptors=[*keys, DecodeRequests()], options=grpc_options(max_request_bytes, max_concurrent_streams)
     )
-    generation = GenerationServicer(engine, spec, model_name, model_dir, pooling, reasoning_parser, tool_call_parser)
+    generation = GenerationServicer(engine, spec, model_name, model_dir, pooling, reasoning_parser, tool_call_parser, media)
     pb_grpc.add_GenerationServicer_to_server(generation, server)
     add_vllm_engine(server, engine, spec, model_name, model_dir, generation)
     health_servicer = health.aio.HealthServicer()

@@ -92,11 +92,19 @@ def apply_chat_template(
     """The template's token ids; tools and tool calls go to a template that reads them, and are
     written in the Hermes form for one that does not (`scheduler_svc/chat.py`). More than
     `max_tokens` tokens raise TooManyTokens (`encode_at_most`)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+    return encode_at_most(tokenizer, text, False, max_tokens)
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
+    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+) -> str:
+    """The chat template's text (see `apply_chat_template`)."""
     if (tools or any("tool_calls" in m for m in messages)) and not uses_tools(tokenizer, tools):
         messages, tools = hermes(messages, tools), None
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **(template_kwargs or {}))
-    return encode_at_most(tokenizer, text, False, max_tokens)
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int | None = None) -> list[int]:

@@ -35,8 +35,8 @@ from pagoda.wire import constraint_from_proto
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.core import fit_error
 from scheduler_svc.errors import InvalidArgument
-from scheduler_svc.chat import template_input, template_kwargs
-from scheduler_svc.tokenizer import ModelSpec, TooManyTokens, apply_chat_template, encode_text
+from scheduler_svc.chat import message_chars, template_input, template_kwargs
+from scheduler_svc.tokenizer import ModelSpec, TooManyTokens, apply_chat_template, encode_text, render_chat
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -72,6 +72,7 @@ class GenerateParams:
     lora: str = ""  # the LoRA adapter (GenerateRequest.model, resolved by the server), "" for the base model
     # the reasoning split (pagoda.reasoning): (parser, the state its outputs start in), or None
     reasoning: tuple | None = None
+    images: tuple = ()  # a chat's images (pagoda.step.ImageInput), in prompt order
 
 
 def validate_generate(
@@ -281,7 +282,7 @@ def _check_prompt_bound(req: pb.GenerateRequest, spec: ModelSpec, max_model_len:
     if kind == "text":
         chars, field = counted_chars(req.text, spec), "prompt.text"
     elif kind == "chat":
-        chars, field = sum(counted_chars(m.content, spec) for m in req.chat.messages), "prompt.chat"
+        chars, field = sum(counted_chars(message_chars(m), spec) for m in req.chat.messages), "prompt.chat"
     else:
         return
     limit = max_prompt_chars(spec, max_model_len)
@@ -336,6 +337,16 @@ def prompt_token_ids(
 
 def _no_room(exc: TooManyTokens, max_model_len: int) -> str:
     return f"{exc} leave no room to generate within {max_model_len} tokens (max_model_len)"
+
+
+def chat_text(chat: pb.Chat, tokenizer: PreTrainedTokenizerBase, field: str, add_generation_prompt: bool = True) -> str:
+    """The chat template's text (a chat with images: the processor tokenizes it, `media.ImagePrompts`)."""
+    messages, tools = template_input(chat, field)
+    kwargs = template_kwargs(chat, field)
+    try:
+        return render_chat(tokenizer, messages, add_generation_prompt, tools, kwargs)
+    except Exception as exc:  # a template may reject a role order, say
+        raise InvalidArgument(f"{field}.messages", f"the chat template rejected them: {exc}") from exc
 
 
 def chat_token_ids(

@@ -19,7 +19,9 @@ within `--connect-timeout` seconds (3), the command fails at once with one line 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
+import mimetypes
 import sys
 import time
 from dataclasses import asdict
@@ -116,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     chat = sub.add_parser("chat", parents=[parent], help="interactive chat (history kept; /reset, /exit)")
     chat.add_argument("--system", help="system message")
+    chat.add_argument("--image", action="append", default=[], metavar="FILE",
+                      help="an image (PNG, JPEG, WebP, GIF) sent with the first message, for a vision-language model; repeatable")
     _add_sampling_flags(chat)
 
     sub.add_parser("info", parents=[parent], help="model, LoRA adapters, executors, KV blocks and load")
@@ -181,9 +185,21 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _image_part(path: str) -> dict:
+    """An image file as OpenAI's image_url part (a data: URL; the scheduler checks the format)."""
+    data = Path(path).read_bytes()
+    kind = mimetypes.guess_type(path)[0] or "application/octet-stream"
+    return {"type": "image_url", "image_url": {"url": f"data:{kind};base64,{base64.b64encode(data).decode()}"}}
+
+
 def cmd_chat(client: Client, args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[dict[str, str]] = []
+    history: list[dict] = []
+    try:
+        images = [_image_part(path) for path in args.image]
+    except OSError as exc:
+        print(f"pagoda chat: --image {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -198,7 +214,10 @@ def cmd_chat(client: Client, args: argparse.Namespace) -> int:
         if text == "/reset":
             history.clear()
             continue
-        history.append({"role": "user", "content": text})
+        if images and not history:  # the first message carries the images, before its text
+            history.append({"role": "user", "content": [*images, {"type": "text", "text": text}]})
+        else:
+            history.append({"role": "user", "content": text})
         answer = ""
         if interactive:
             print("assistant> ", end="", flush=True)

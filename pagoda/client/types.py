@@ -186,6 +186,26 @@ def _tool_call(call: Mapping) -> pb.ToolCall:
     return pb.ToolCall(id=call.get("id") or "", name=f["name"], arguments=_json_text(f.get("arguments", {})))
 
 
+def _content(content) -> tuple[str, list[pb.ContentPart]]:
+    """(content, parts) of OpenAI's message content: a text, or a list of "text" and "image_url" parts
+    (with an image: the parts in order; text only: joined with newlines, as vLLM joins them)."""
+    if not isinstance(content, list):
+        return content or "", []
+    parts = []
+    for item in content:
+        if item.get("type") == "text":
+            parts.append(pb.ContentPart(text=item.get("text") or ""))
+        elif item.get("type") == "image_url":
+            image_url = item.get("image_url")
+            url = image_url.get("url", "") if isinstance(image_url, Mapping) else image_url
+            parts.append(pb.ContentPart(image=pb.Image(url=url)))
+        else:
+            raise ValueError(f"content part type {item.get('type')!r}: only \"text\" and \"image_url\"")
+    if any(part.HasField("image") for part in parts):
+        return "", parts
+    return "\n".join(part.text for part in parts), []
+
+
 def chat_messages(messages: Iterable[ChatMessage | Mapping | tuple[str, str]]) -> list[pb.ChatMessage]:
     """Messages given as ChatMessage, {"role", "content"} dicts (OpenAI's, so also an
     assistant's "tool_calls" and a tool's "tool_call_id") or (role, content) pairs."""
@@ -194,7 +214,8 @@ def chat_messages(messages: Iterable[ChatMessage | Mapping | tuple[str, str]]) -
         if isinstance(m, ChatMessage):
             out.append(pb.ChatMessage(role=m.role, content=m.content))
         elif isinstance(m, Mapping):
-            out.append(pb.ChatMessage(role=m["role"], content=m.get("content") or "",
+            content, parts = _content(m.get("content"))
+            out.append(pb.ChatMessage(role=m["role"], content=content, parts=parts,
                                       tool_calls=[_tool_call(c) for c in m.get("tool_calls") or ()],
                                       tool_call_id=m.get("tool_call_id") or ""))
         else:

@@ -16,6 +16,10 @@ A request's cache salt (its tenant and `GenerateRequest.cache_salt`) replaces RO
 salts, so requests with different salts never share a block, nor learn from a hit's
 timing that another tenant sent the same prefix (CVE-2025-46570). The tokens check
 cannot tell salts apart; the chain does.
+
+A vision-language request's image placeholder tokens are the same for every image, so a block's
+key also takes the content hash of each image whose placeholder span overlaps the block (as
+vLLM's extra keys do): the same image and text hit, another image does not.
 """
 
 from __future__ import annotations
@@ -42,26 +46,37 @@ def root_hash(cache_salt: str = "") -> bytes:
     return blake2b(cache_salt.encode(), digest_size=16, key=ROOT_HASH).digest()
 
 
-def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> BlockHash:
-    """The key of a full block holding `token_ids` after the prefix keyed `parent_hash`."""
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], image_hashes: Sequence[str] = ()) -> BlockHash:
+    """The key of a full block holding `token_ids` after the prefix keyed `parent_hash`
+    (`image_hashes`: the content hashes of the images whose placeholders it holds)."""
     digest = blake2b(parent_hash, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
+    for image_hash in image_hashes:
+        digest.update(b"|image:" + image_hash.encode())
     return BlockHash(digest.digest(), tuple(token_ids))
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> None:
+def images_in_block(images: Sequence, start: int, end: int) -> tuple[str, ...]:
+    """The hashes of `images` (`pagoda.step.ImageInput`s) whose placeholder span overlaps [start, end)."""
+    return tuple(image.hash for image in images if image.offset < end and image.offset + image.length > start)
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str = "", images: Sequence = ()
+) -> None:
     """Append the keys of the full blocks of `token_ids` that `hashes` lacks (in place)."""
     num_full_blocks = len(token_ids) // block_size
     parent = hashes[-1].hash_value if hashes else root_hash(cache_salt)
     for index in range(len(hashes), num_full_blocks):
         start = index * block_size
-        block_hash = hash_block_tokens(parent, token_ids[start : start + block_size])
+        extra = (images_in_block(images, start, start + block_size),) if images else ()
+        block_hash = hash_block_tokens(parent, token_ids[start : start + block_size], *extra)
         hashes.append(block_hash)
         parent = block_hash.hash_value
 
 
-def block_hashes_of(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[BlockHash]:
+def block_hashes_of(token_ids: Sequence[int], block_size: int, cache_salt: str = "", images: Sequence = ()) -> list[BlockHash]:
     """The keys of every full block of `token_ids`."""
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size, cache_salt)
+    extend_block_hashes(hashes, token_ids, block_size, cache_salt, images)
     return hashes

@@ -77,6 +77,9 @@ class SchedulerConfig:
     # While two tenants or more have work here, a tenant holds at most this many running slots when
     # another waits (0: max_num_seqs // the tenants with work); see Scheduler's "Fair shares".
     max_running_per_tenant: int = 0
+    # A prefill chunk never ends inside an image's placeholder span (Register.whole_image_chunks:
+    # Gemma 3); it is cut before the image, or takes the whole span when it starts the step's budget.
+    whole_image_chunks: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_running_per_tenant, int) or isinstance(self.max_running_per_tenant, bool) or self.max_running_per_tenant < 0:

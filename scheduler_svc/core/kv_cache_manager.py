@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from pagoda.step import BlockCopy
-from scheduler_svc.core.block_hash import BlockHash, extend_block_hashes, hash_block_tokens, root_hash
+from scheduler_svc.core.block_hash import BlockHash, extend_block_hashes, hash_block_tokens, images_in_block, root_hash
 from pagoda.step import KVCacheGroupSpec
 from scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
 from scheduler_svc.core.config import FULL_ATTENTION, cdiv
@@ -108,14 +108,15 @@ class KVCacheManager:
         blocks, num_blocks = find_cache_hit(self._groups, self.block_pool, self._hashes(request), max_blocks)
         return blocks, num_blocks * self.block_size
 
-    def num_prefix_cached_tokens(self, token_ids: Sequence[int], cache_salt: str = "") -> int:
-        """Tokens of `token_ids` a new request with `cache_salt` would find cached (for routing; no side effects)."""
+    def num_prefix_cached_tokens(self, token_ids: Sequence[int], cache_salt: str = "", images: Sequence = ()) -> int:
+        """Tokens of `token_ids` (with `images`) a new request with `cache_salt` would find cached (for routing; no side effects)."""
         if not self.enable_prefix_caching:
             return 0
         size, parent, full = self.block_size, root_hash(cache_salt), self._full_group_id
         hashes: list[BlockHash] = []
         for index in range((len(token_ids) - 1) // size):  # (a hit is no longer than a full-attention group's)
-            block_hash = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])
+            extra = (images_in_block(images, index * size, (index + 1) * size),) if images else ()
+            block_hash = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size], *extra)
             if full is not None and self.block_pool.get_cached_block(block_hash, full) is None:
                 break
             hashes.append(block_hash)
@@ -360,7 +361,7 @@ class KVCacheManager:
 
     def _hashes(self, request: Request) -> list[BlockHash]:
         hashes = self._block_hashes.setdefault(request.req_id, [])
-        extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.prefix_salt)
+        extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.prefix_salt, request.images)
         return hashes
 
     # ---- accounting -----------------------------------------------------------------------

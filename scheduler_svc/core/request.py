@@ -25,7 +25,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagoda.step import SamplingParams
+from pagoda.step import ImageInput, SamplingParams
 
 
 class FinishReason(enum.IntEnum):
@@ -85,6 +85,9 @@ class Request:
     cache_salt: str = ""  # tenant + GenerateRequest.cache_salt: prefix-cache hits only among equal salts
     tenant: str = ""  # who sent it (the API key's tenant, "" when keys are off): fair shares of running slots
     lora: str = ""  # the LoRA adapter it runs with (its name as executors know it), "" for the base model
+    # a vision-language prompt's images (pagoda.step.ImageInput, in prompt order): every NewRequest
+    # for it carries them (first scheduling, after preemption, on another executor)
+    images: tuple[ImageInput, ...] = ()
     # speculative decoding: drafts verified, of them accepted; the backoff of `spec_decode`
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0

@@ -198,7 +198,7 @@ class Scheduler:
 
     def num_prefix_cached_tokens(self, request: Request) -> int:
         """Tokens of `request` this executor's prefix cache holds now (routing)."""
-        return self.kv_cache_manager.num_prefix_cached_tokens(request.all_token_ids, request.prefix_salt)
+        return self.kv_cache_manager.num_prefix_cached_tokens(request.all_token_ids, request.prefix_salt, request.images)
 
     def can_admit(self, requests: Sequence[Request], num_cached_tokens: int = 0) -> bool:
         """Whether the next `schedule()` would likely start `requests` (one group; late binding).
@@ -633,6 +633,7 @@ class Scheduler:
         # waste), or when it has drafts in flight (its length is not known yet).
         held, unsent, proposer, max_seq_len = self._held, self._unsent, self._proposer, self._max_seq_len
         fair = self._fair
+        whole_images, full_budget = self.config.whole_image_chunks, self.config.max_num_batched_tokens
         drafts_in_flight = [f.plan.scheduled_spec_decode_tokens for f in self._in_flight if f.plan.scheduled_spec_decode_tokens]
         allocate_slots = self._allocate_slots
         cached_requests, num_scheduled_tokens = plan.cached_requests, plan.num_scheduled_tokens
@@ -667,6 +668,11 @@ class Scheduler:
                     num_new = min(num_new, fair.tokens_left(request.tenant))
                     if num_new <= 0:
                         continue
+                if request.images and whole_images:
+                    num_new = self._image_cut(request, request.num_computed_tokens, num_new, budget == full_budget)
+                    if num_new == 0:
+                        continue
+                if fair is not None and num_new > 1:
                     fair.tokens_of[request.tenant] += num_new
                 new_block_ids = allocate_slots(request, num_new)
                 if new_block_ids is None:
@@ -678,8 +684,21 @@ class Scheduler:
             num_scheduled_tokens[req_id] = num_new
             if drafts:
                 plan.scheduled_spec_decode_tokens[req_id] = drafts
-            budget -= num_new
+            budget = max(budget - num_new, 0)  # (a whole image may overrun an empty step's budget)
         return budget
+
+    @staticmethod
+    def _image_cut(request: Request, start: int, num_new: int, may_overrun: bool) -> int:
+        """`num_new` tokens from `start`, cut so the chunk does not end inside an image's placeholder
+        span (`SchedulerConfig.whole_image_chunks`): before the image, or, when the chunk would start
+        at (or inside) it, the rest of the image if `may_overrun` (nothing else in the step yet), else 0."""
+        end = start + num_new
+        for image in request.images:
+            if image.offset < end < image.offset + image.length:
+                if image.offset > start:
+                    return image.offset - start
+                return image.offset + image.length - start if may_overrun else 0
+        return num_new
 
     def _draft(self, request: Request, budget: int) -> tuple[list[int], tuple[list[int], ...] | None]:
         """Draft tokens for a request at its end, and the new blocks they need; ([], None) if none.
@@ -780,7 +799,7 @@ class Scheduler:
                 if limit < budget:  # its tenant's tokens ran out, not the room
                     continue
                 return
-            budget -= num_scheduled
+            budget = max(budget - num_scheduled, 0)  # (a whole image may overrun it)
             if fair is not None:
                 fair.running_of[request.tenant] += 1
                 fair.tokens_of[request.tenant] += num_scheduled
@@ -797,6 +816,10 @@ class Scheduler:
         """Start a waiting request from its prefix hit; the tokens scheduled, 0 if no room."""
         computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit, budget)
+        if request.images and self.config.whole_image_chunks:
+            num_new = self._image_cut(request, num_hit, num_new, budget == self.config.max_num_batched_tokens)
+            if num_new == 0:
+                return 0
         if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
             return 0
         request.num_computed_tokens = num_hit
@@ -836,6 +859,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.block_ids(request.req_id),
             num_computed_tokens=request.num_computed_tokens,
             lora=request.lora,
+            images=request.images,
         )
 
     def _send_forked(self, plan: StepPlan) -> None:

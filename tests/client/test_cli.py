@@ -104,3 +104,30 @@ def test_nothing_listening_fails_at_once_with_one_line_naming_the_target():
         assert run.returncode == 1 and run.stdout == ""
         assert run.stderr.count("\n") == 1 and dead in run.stderr and "cannot connect" in run.stderr, run.stderr
         assert took < 2 * startup + 1 + 5, (took, startup)  # the retries alone took 40 s
+
+
+def test_chat_sends_image_files_with_the_first_message(tmp_path):
+    """`pagoda chat --image FILE`: the first message's parts are the image (a data: URL of the file) then its text."""
+    import base64
+
+    from tests.client.keyed_server import KEY, KeyedServicer, insecure_keyed_server
+
+    class Recording(KeyedServicer):
+        requests = []
+
+        def Generate(self, request, context):
+            self.requests.append(request)
+            yield from super().Generate(request, context)
+
+    image = tmp_path / "cat.png"
+    image.write_bytes(b"\x89PNG not really")
+    servicer = Recording()
+    with insecure_keyed_server(servicer) as address:
+        run = pagoda("chat", "--image", str(image), "--target", address, "--api-key", KEY, stdin="What is it?\nAnd now?\n")
+        missing = pagoda("chat", "--image", str(tmp_path / "absent.png"), "--target", address, "--api-key", KEY, stdin="hi\n")
+    assert run.returncode == 0, run.stderr
+    first, second = (r.chat.messages for r in servicer.requests)
+    assert [(p.WhichOneof("kind"), p.text or p.image.url) for p in first[0].parts] == [
+        ("image", "data:image/png;base64," + base64.b64encode(b"\x89PNG not really").decode()), ("text", "What is it?")]
+    assert list(second[0].parts) == list(first[0].parts) and second[-1].content == "And now?"
+    assert missing.returncode == 2 and "absent.png" in missing.stderr

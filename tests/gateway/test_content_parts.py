@@ -1,6 +1,6 @@
 """OpenAI's list-form message content through the gateway (issue #43): text parts reach the scheduler
-joined with newlines (as vLLM joins them), anything else is a 400 naming the part before any gRPC
-call. Before: any list-form content was a 500 (an AttributeError in the translation).
+joined with newlines (as vLLM joins them), with an image_url part the parts in order
+(`ChatMessage.parts`, issue 40), anything else is a 400 naming the part before any gRPC call. Before: any list-form content was a 500 (an AttributeError in the translation).
 
 The scheduler is a stand-in that records the requests it is sent; the gateway is its own process.
 """
@@ -54,8 +54,21 @@ def test_text_parts_reach_the_scheduler_joined_with_newlines(stack):
         ("system", "Be brief."), ("user", "hi\nthere"), ("assistant", ""), ("user", "plain")]
 
 
+def test_image_url_parts_reach_the_scheduler_as_parts_in_order(stack):
+    gateway, servicer = stack
+    url = "data:image/png;base64,AAAA"
+    reply = chat(gateway, [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url, "detail": "auto"}},
+        {"type": "text", "text": "Briefly."}]}])
+    assert reply.status_code == 200, reply.text
+    sent = servicer.requests[-1].chat.messages[0]
+    assert sent.content == "" and [(p.WhichOneof("kind"), p.text or p.image.url) for p in sent.parts] == [
+        ("text", "What is this?"), ("image", url), ("text", "Briefly.")]
+
+
 @pytest.mark.parametrize("part, param, words", [
-    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "messages.0.content.1", "image"),
+    ({"type": "image_url", "image_url": {"detail": "low"}}, "messages.0.content.1.image_url.url", "required"),
+    ({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}, "messages.0.content.1", "image_url"),
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "messages.0.content.1",
      "'input_audio' is not supported"),
     ({"type": "text"}, "messages.0.content.1.text", "required"),
