@@ -15,7 +15,7 @@ stop_sequence / tool_use, streamed as Anthropic's events (`message_start`, `ping
 
 The caller's key comes as `x-api-key` or as `Authorization: Bearer` (`admission.bearer_key`).
 Every error is in Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with the
-status Anthropic gives it. Image blocks are a 400 until the gateway sends images.
+status Anthropic gives it. Image blocks go to the scheduler as the chat's image parts.
 """
 
 from __future__ import annotations
@@ -100,13 +100,16 @@ def _message(i: int, m: Message) -> list[dict]:
     where = f"messages.{i}.content"
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
-    texts, calls, results = [], [], []
+    texts, calls, results, parts = [], [], [], []
     for j, block in enumerate(m.content):
         at, kind = f"{where}.{j}", block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
-        elif kind in ("image", "document"):
-            raise GatewayError(400, f"{at}: {kind} blocks are not supported yet; send text blocks", param=at)
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and m.role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), f"{at}.source")}})
+        elif kind == "document":
+            raise GatewayError(400, f"{at}: document blocks are not supported; send text blocks", param=at)
         elif kind == "tool_use" and m.role == "assistant":
             if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
                     and isinstance(block.get("input"), dict)):
@@ -124,9 +127,35 @@ def _message(i: int, m: Message) -> list[dict]:
             raise GatewayError(400, f"{at}.type: {kind!r} is not a {m.role} block this server takes "
                                     f"(text, tool_use, tool_result)", param=f"{at}.type")
     out = results
-    if texts or calls or not results:
+    if len(parts) > len(texts):  # images: chat's parts in order (the scheduler sends them as ChatMessage.parts)
+        out = [*out, {"role": m.role, "content": parts}]
+    elif texts or calls or not results:
         out = [*out, {"role": m.role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})}]
     return out
+
+
+_IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
+def _image_url(source, where: str) -> str:
+    """An image block's source as chat's image URL: {"type": "base64", "media_type", "data"} a
+    `data:` URL, {"type": "url", "url"} the URL (fetched by the scheduler only from its
+    --allowed-media-domains). The bytes are checked where they are decoded, by the scheduler."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in _IMAGE_MEDIA_TYPES:
+            raise GatewayError(400, f"{where}.media_type: must be one of {', '.join(_IMAGE_MEDIA_TYPES)}, "
+                                    f"got {media_type!r}", param=f"{where}.media_type")
+        if not isinstance(data, str) or not data:
+            raise GatewayError(400, f"{where}.data: required, the image's base64 text", param=f"{where}.data")
+        return f"data:{media_type};base64,{data}"
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise GatewayError(400, f"{where}.url: required, a string", param=f"{where}.url")
+        return url
+    raise GatewayError(400, f"{where}.type: must be base64 or url, got {kind!r}", param=f"{where}.type")
 
 
 def chat_messages_of(body: CountTokensRequest) -> list[dict]:

@@ -91,28 +91,42 @@ class ResponsesRequest(_Strict):
 
 # -- input items to chat messages ----------------------------------------------------
 
-_IMAGE_PARTS = ("input_image", "input_file", "input_audio")
+_UNSUPPORTED_PARTS = ("input_file", "input_audio")
 
 
-def _text_of(content, where: str) -> str:
+def _text_of(content, where: str, images: bool = False) -> str | list[dict]:
     """A message's content: a text, or parts of which the text ones are joined with newlines (as
-    chat completions joins its text parts)."""
+    chat completions joins its text parts). With `images` (a user's or system's message), an
+    `input_image` part's `image_url` (a `data:` URL, or a URL the scheduler's
+    --allowed-media-domains allow) makes it chat's list of text and image_url parts, in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise GatewayError(400, f"{where}: must be a text or a list of content parts", param=where)
-    texts = []
+    texts, items = [], []
     for j, part in enumerate(content):
         param = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _IMAGE_PARTS:
-            raise GatewayError(400, f"{param}: {kind} parts are not supported yet; send input_text parts", param=param)
+        if kind == "input_image" and images:
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                why = "file_id is not served (no files API); " if part.get("file_id") else ""
+                raise GatewayError(400, f"{param}.image_url: required, {why}a data: URL or an image's URL",
+                                   param=f"{param}.image_url")
+            items.append({"type": "image_url", "image_url": {"url": url}})
+            continue
+        if kind == "input_image" or kind in _UNSUPPORTED_PARTS:
+            raise GatewayError(400, f"{param}: {kind} parts are not supported here; send input_text parts",
+                               param=param)
         if kind not in ("input_text", "output_text", "text", "refusal"):
             raise GatewayError(400, f"{param}.type: must be input_text or output_text, got {kind!r}", param=param)
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
             raise GatewayError(400, f"{param}.text: required, a string", param=f"{param}.text")
         texts.append(text)
+        items.append({"type": "text", "text": text})
+    if len(items) > len(texts):
+        return items
     return "\n".join(texts)
 
 
@@ -137,7 +151,7 @@ def input_messages(given: str | list[dict]) -> list[dict]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise GatewayError(400, f"{where}.role: must be user, assistant, system or developer, got {role!r}",
                                    param=f"{where}.role")
-            text = _text_of(item.get("content"), f"{where}.content")
+            text = _text_of(item.get("content"), f"{where}.content", images=role != "assistant")
             out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             name, arguments = _required_str(item, "name", where), _required_str(item, "arguments", where)

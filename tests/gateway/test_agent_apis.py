@@ -224,7 +224,9 @@ def test_bad_responses_inputs_are_a_4xx_naming_the_field(oai, model_name):
          "input[0].call_id"),
         (dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{no"}]),
          openai.BadRequestError, "input[0].arguments"),
-        (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
+        (dict(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]),
+         openai.BadRequestError, "input[0].content[0].image_url"),
+        (dict(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]),
          openai.BadRequestError, "input[0].content[0]"),
         (dict(input=[{"type": "web_search_call"}]), openai.BadRequestError, "input[0].type"),
         (dict(input=[{"role": "robot", "content": "hi"}]), openai.BadRequestError, "input[0].role"),
@@ -338,7 +340,10 @@ def test_bad_messages_inputs_are_a_4xx_in_anthropics_shape(gateway, claude, mode
     cases = [
         ({"model": model_name, "messages": user}, 400, "max_tokens"),
         ({"model": model_name, "max_tokens": 4, "messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/bmp", "data": "AA=="}}]}]},
+         400, "messages.0.content.0.source.media_type"),
+        ({"model": model_name, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]},
          400, "messages.0.content.0"),
         ({"model": model_name, "max_tokens": 4, "messages": [{"role": "assistant", "content": [
             {"type": "tool_use", "id": "t", "name": "f"}]}]}, 400, "messages.0.content.0"),

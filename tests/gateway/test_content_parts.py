@@ -66,6 +66,30 @@ def test_image_url_parts_reach_the_scheduler_as_parts_in_order(stack):
         ("text", "What is this?"), ("image", url), ("text", "Briefly.")]
 
 
+def test_responses_and_messages_images_reach_the_scheduler_as_parts_in_order(stack):
+    """Responses' input_image parts and Anthropic's image blocks (base64 as a data: URL, or a URL)
+    become the same ChatMessage.parts as chat's image_url parts (issue 41 point 4)."""
+    gateway, servicer = stack
+    reply = httpx.post(f"{gateway.url}/v1/responses", headers=AUTH, timeout=30, json={
+        "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is this?"},
+            {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "auto"}]}],
+        "max_output_tokens": 2, "store": False})
+    assert reply.status_code == 200, reply.text
+    sent = servicer.requests[-1].chat.messages[0]
+    assert [(p.WhichOneof("kind"), p.text or p.image.url) for p in sent.parts] == [
+        ("text", "What is this?"), ("image", "data:image/png;base64,AAAA")]
+    reply = httpx.post(f"{gateway.url}/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                       timeout=30, json={"max_tokens": 2, "messages": [{"role": "user", "content": [
+                           {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "BBBB"}},
+                           {"type": "text", "text": "And this?"},
+                           {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]})
+    assert reply.status_code == 200, reply.text
+    sent = servicer.requests[-1].chat.messages[0]
+    assert sent.content == "" and [(p.WhichOneof("kind"), p.text or p.image.url) for p in sent.parts] == [
+        ("image", "data:image/jpeg;base64,BBBB"), ("text", "And this?"), ("image", "https://example.com/a.png")]
+
+
 @pytest.mark.parametrize("part, param, words", [
     ({"type": "image_url", "image_url": {"detail": "low"}}, "messages.0.content.1.image_url.url", "required"),
     ({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}, "messages.0.content.1", "image_url"),
