@@ -414,9 +414,13 @@ class ModelRunner:
         try:
             for new in plan.new_requests:
                 self._drop(new.req_id)  # sent again in full (after a preemption)
-                self.requests[new.req_id] = CachedRequestState(new, self.batch, self._adapter_of(new))
                 if new.sampling.constraint is not None:  # its matcher replays the output so far
-                    self.structured.add(new.req_id, new.sampling.constraint, new.token_ids[new.num_prompt_tokens :])
+                    self.structured.add(
+                        new.req_id, new.sampling.constraint, new.token_ids[new.num_prompt_tokens :], new.sampling.compiled_grammar
+                    )
+                if new.sampling.compiled_grammar:  # handed over (megabytes): not kept with the request
+                    new.sampling = replace(new.sampling, compiled_grammar=b"")
+                self.requests[new.req_id] = CachedRequestState(new, self.batch, self._adapter_of(new))
             for cached in plan.cached_requests:
                 self.batch.append_blocks(self._state(cached.req_id).row, cached.new_block_ids)
         except BatchError as exc:

@@ -92,6 +92,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
     constraint: Constraint | None = None
+    # `constraint` as the scheduler's check compiled it (xgrammar's serialize_json; b"": not sent):
+    # the executor deserializes it instead of compiling (NewRequest.compiled_grammar on the wire)
+    compiled_grammar: bytes = field(default=b"", compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:

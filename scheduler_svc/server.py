@@ -86,12 +86,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tail = self.engine.tokenizer.decode(params.prompt_token_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
             params = dataclasses.replace(params, reasoning=(parser, parser.initial_state(tail)))
         if params.sampling.constraint is not None:
-            await self.constraints.check(params.sampling.constraint, current_tenant())  # its turn among tenants
+            # compiled once, here: the request carries the grammar to its executor (b"": it compiles it)
+            grammar = await self.constraints.check(params.sampling.constraint, current_tenant())  # its turn among tenants
+            constraint = params.sampling.constraint
             if parser is not None:  # the grammar starts once the reasoning ends
                 constraint = constrain_after_reasoning(params.sampling.constraint, *params.reasoning)
                 if constraint is not params.sampling.constraint:
-                    await self.constraints.check(constraint, current_tenant())  # the executors compile this one
-                    params = dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, constraint=constraint))
+                    grammar = await self.constraints.check(constraint, current_tenant())  # the one the executors run
+            sampling = dataclasses.replace(params.sampling, constraint=constraint, compiled_grammar=grammar)
+            params = dataclasses.replace(params, sampling=sampling)
         return params, self.engine.submit(params)  # under the caller's tenant (its cache salt too)
 
     def _reasoning_parser(self, request: pb.GenerateRequest):
