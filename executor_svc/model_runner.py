@@ -416,7 +416,8 @@ class ModelRunner:
                 self._drop(new.req_id)  # sent again in full (after a preemption)
                 if new.sampling.constraint is not None:  # its matcher replays the output so far
                     self.structured.add(
-                        new.req_id, new.sampling.constraint, new.token_ids[new.num_prompt_tokens :], new.sampling.compiled_grammar
+                        new.req_id, new.sampling.constraint, new.token_ids[new.num_prompt_tokens :], new.sampling.compiled_grammar,
+                        new.tenant,
                     )
                 if new.sampling.compiled_grammar:  # handed over (megabytes): not kept with the request
                     new.sampling = replace(new.sampling, compiled_grammar=b"")

@@ -148,6 +148,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     lora: str = ""  # the LoRA adapter the request runs with, by name; "" for the base model
+    tenant: str = ""  # who sent it (the API key's tenant; "" when keys are off): grammar loads take turns
 
     def __post_init__(self) -> None:
         self.block_ids = per_group(self.block_ids)

@@ -137,6 +137,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 num_computed_tokens=r.num_computed_tokens,
                 group_block_ids=_other_groups(r.block_ids),
                 lora=r.lora,
+                tenant=r.tenant,
                 compiled_grammar=r.sampling.compiled_grammar if r.sampling.constraint is not None else b"",
             )
             for r in plan.new_requests
@@ -175,6 +176,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
                 block_ids=_per_group(r.block_ids, r.group_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 lora=r.lora,
+                tenant=r.tenant,
             )
             for r in msg.new_requests
         ],

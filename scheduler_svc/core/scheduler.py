@@ -836,6 +836,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.block_ids(request.req_id),
             num_computed_tokens=request.num_computed_tokens,
             lora=request.lora,
+            tenant=request.tenant,
         )
 
     def _send_forked(self, plan: StepPlan) -> None:

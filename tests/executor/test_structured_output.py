@@ -396,3 +396,29 @@ def test_the_scheduler_compiled_grammar_is_taken_not_compiled_again(default_runn
         assert (structured.num_received, structured.num_compiles) == (1, 0)
     else:
         assert (structured.num_received, structured.num_compiles) == (0, 1)
+
+
+def test_the_executors_grammar_loads_take_tenants_in_turns(default_model_dir, monkeypatch):
+    """The compile thread runs one load at a time, tenants in turns (NewRequest.tenant): a tenant's
+    first grammar waits for the load running, not for another tenant's queue of them."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from executor_svc.structured_output import StructuredOutput
+
+    structured = StructuredOutput(default_model_dir)
+    structured._threads = ThreadPoolExecutor(1)  # (no compile process: the loads below are stand-ins)
+    queued = threading.Event()  # the first load runs until every other one is queued
+    monkeypatch.setattr(structured, "_load", lambda constraint, grammar: queued.wait(30) and constraint.value)
+    try:
+        for i in range(6):
+            structured.add(f"f{i}", Constraint.regex(f"f{i}"), [], b"", "flooder")
+        structured.add("b", Constraint.regex("b"), [], b"", "bystander")
+        structured.add("f6", Constraint.regex("f6"), [], b"", "flooder")
+        queued.set()
+        structured._requests["f6"].compiled.result(timeout=30)
+        assert structured._requests["b"].compiled.result() == "b"
+    finally:
+        structured.close()
+    # f0 was running when the bystander's came; then the bystander, then the flooder's in order
+    assert list(structured.turn_order) == ["flooder", "bystander", *["flooder"] * 6], structured.turn_order
