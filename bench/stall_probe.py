@@ -5,7 +5,8 @@
     python bench/stall_probe.py --scenarios hostile --max-length 100000
 
 One scheduler with three API-key tenants and one executor (tests/service/harness.py). In each
-scenario the *attacker* tenant starts its load, then the *bystander* tenant streams an
+scenario the *attacker* tenant starts its load (from a process of its own: its replies keep
+that process busy, not the one that times the others), then the *bystander* tenant streams an
 unconstrained request and the *third* tenant sends a one-field JSON schema request. Reported per
 scenario: the bystander's first-token wait and its largest gap between two streamed messages,
 the third tenant's first-token wait, and the attacker's statuses. Scenarios:
@@ -14,6 +15,8 @@ the third tenant's first-token wait, and the attacker's statuses. Scenarios:
     hostile  `--hostile` JSON schemas of eight strings with maxLength `--max-length`, distinct
     short    `--short-streams` short streams (max_tokens 4) at once
     long     `--long-streams` long streams (max_tokens `--long-tokens`, ignore_eos) at once
+    texts    `--texts` Tokenize calls of `--text-chars` characters each at once (work for the
+             prompt worker's threads, which every Generate passes through)
 
 Writes bench/out/stall_probe-<timestamp>.json. Exits 1 when a bystander's or third tenant's
 request failed, or under attack (not `quiet`, which also pays the compile processes' cold
@@ -41,7 +44,15 @@ from pagoda.v1 import generation_pb2 as pb  # noqa: E402
 from pagoda.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 KEYS = {"attacker": "attacker-key-0123456789abcdef", "bystander": "bystander-key-0123456789abcdef", "third": "third-key-0123456789abcdef"}
-SCENARIOS = ("quiet", "hostile", "short", "long")
+STREAMS_PER_CONNECTION = 200
+SCENARIOS = ("quiet", "hostile", "short", "long", "texts")
+# texts is left out of --quick (CI): its Tokenize calls keep both cores busy, and the third tenant's
+# compiles then wait for CPU (6.6 s once); tests/unit/test_fair_prompts.py tests its queue's turns
+QUICK_SCENARIOS = ("quiet", "hostile", "short", "long")
+FULL_SIZES = {"hostile": 3, "max_length": 100000, "short_streams": 3000, "long_streams": 256, "long_tokens": 512,
+              "texts": 1000, "text_chars": 90000, "bystander_tokens": 32}
+QUICK_SIZES = {"hostile": 2, "max_length": 1000, "short_streams": 300, "long_streams": 48, "long_tokens": 500,
+               "texts": 100, "text_chars": 90000, "bystander_tokens": 200}
 
 
 def hostile_schema(max_length: int, tag: int) -> str:
@@ -83,7 +94,22 @@ async def stream(stub, req: pb.GenerateRequest, key: str, timeout: float) -> dic
     }
 
 
-def attacker_requests(scenario: str, args) -> list[pb.GenerateRequest]:
+async def call(stub, req, key: str, timeout: float) -> dict:
+    """One attacker call: a Generate stream, or a Tokenize call."""
+    if isinstance(req, pb.GenerateRequest):
+        return await stream(stub, req, key, timeout)
+    try:
+        await stub.Tokenize(req, metadata=(("authorization", f"Bearer {key}"),), timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        return {"status": exc.code().name}
+    except asyncio.CancelledError:
+        return {"status": "CANCELLED"}
+    return {"status": "OK"}
+
+
+def attacker_requests(scenario: str, args) -> list[pb.GenerateRequest | pb.TokenizeRequest]:
+    if scenario == "texts":  # distinct words: no two texts alike
+        return [pb.TokenizeRequest(text=" ".join(f"w{i}x{j}" for j in range(args.text_chars // 9))) for i in range(args.texts)]
     if scenario == "hostile":
         return [request(f"h{i}", [1, 20, 30, 40], 16, hostile_schema(args.max_length, i)) for i in range(args.hostile)]
     if scenario == "short":
@@ -93,15 +119,54 @@ def attacker_requests(scenario: str, args) -> list[pb.GenerateRequest]:
     return []
 
 
-async def scenario_run(target: str, scenario: str, args) -> dict:
-    async with grpc.aio.insecure_channel(target, options=[("grpc.max_concurrent_streams", 100000)]) as attacker_channel, \
-            grpc.aio.insecure_channel(target) as channel:
-        attacker_stub, stub = pb_grpc.GenerationStub(attacker_channel), pb_grpc.GenerationStub(channel)
-        attack = [
-            asyncio.ensure_future(stream(attacker_stub, req, KEYS["attacker"], args.timeout))
-            for req in attacker_requests(scenario, args)
+async def attack(target: str, scenario: str, args) -> None:
+    """The attacker's load, in a process of its own (`--attack`): its streams' replies keep this
+    process busy, not the probe's, so the bystander's figures are the service's alone. Its calls
+    go over as many connections as it takes to have them all open at once. Prints
+    `started` once every stream is sent, then on a line (or EOF) on stdin cancels the rest and
+    prints their statuses as one JSON line."""
+    reqs = attacker_requests(scenario, args)
+    # a connection of its own per STREAMS_PER_CONNECTION calls (the server's limit per connection is 256)
+    channels = [
+        grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(-(-len(reqs) // STREAMS_PER_CONNECTION))
+    ]
+    try:
+        stubs = [pb_grpc.GenerationStub(channel) for channel in channels]
+        tasks = [
+            asyncio.ensure_future(call(stubs[i // STREAMS_PER_CONNECTION], req, KEYS["attacker"], args.timeout))
+            for i, req in enumerate(reqs)
         ]
-        await asyncio.sleep(args.head_start if attack else 0)
+        await asyncio.sleep(0)
+        print("started", flush=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sys.stdin.readline)
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for channel in channels:
+            await channel.close()
+    statuses: dict[str, int] = {}
+    for r in results:
+        name = r["status"] if isinstance(r, dict) else "CANCELLED"
+        statuses[name] = statuses.get(name, 0) + 1
+    print(json.dumps(statuses), flush=True)
+
+
+async def scenario_run(target: str, scenario: str, args) -> dict:
+    attacker = None
+    if attacker_requests(scenario, args):
+        sizes = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in FULL_SIZES]
+        attacker = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, f"--attack={scenario}", f"--target={target}", f"--timeout={args.timeout}", *sizes,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )
+        if (await attacker.stdout.readline()).strip() != b"started":
+            raise RuntimeError(f"the attacker process of {scenario!r} did not start (exit {await attacker.wait()})")
+        await asyncio.sleep(args.head_start)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
         bystander_req = request(f"b-{scenario}", [1, 50, 51, 52], args.bystander_tokens, ignore_eos=True)
         field = f"ok_{scenario}"  # a schema of its own in each scenario: never a cached verdict
         third_req = request(f"t-{scenario}", [1, 60, 61, 62], 16, json.dumps({"type": "object", "properties": {field: {"type": "boolean"}}, "required": [field]}))
@@ -109,13 +174,10 @@ async def scenario_run(target: str, scenario: str, args) -> dict:
             stream(stub, bystander_req, KEYS["bystander"], args.timeout),
             stream(stub, third_req, KEYS["third"], args.timeout),
         )
-        for task in attack:
-            task.cancel()
-        results = await asyncio.gather(*attack, return_exceptions=True)
     statuses: dict[str, int] = {}
-    for r in results:
-        name = r["status"] if isinstance(r, dict) else "CANCELLED"
-        statuses[name] = statuses.get(name, 0) + 1
+    if attacker is not None:
+        out, _ = await attacker.communicate(b"stop\n")
+        statuses = json.loads(out.decode().strip().splitlines()[-1])
     return {"bystander": bystander, "third": third, "attacker": statuses}
 
 
@@ -123,25 +185,34 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model to serve (default: the default model; --quick: a tiny random one)")
     parser.add_argument("--target", default=None, help="host:port of a running service with KEYS' tenants (default: spawn one)")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--hostile", type=int, default=3)
-    parser.add_argument("--max-length", type=int, default=100000)
-    parser.add_argument("--short-streams", type=int, default=3000)
-    parser.add_argument("--long-streams", type=int, default=256)
-    parser.add_argument("--long-tokens", type=int, default=512)
-    parser.add_argument("--bystander-tokens", type=int, default=32)
+    parser.add_argument("--scenarios", default=None, help=f"default {','.join(SCENARIOS)}, --quick: {','.join(QUICK_SCENARIOS)}")
+    parser.add_argument("--hostile", type=int, default=None, help=f"default {FULL_SIZES['hostile']}, --quick: {QUICK_SIZES['hostile']}")
+    parser.add_argument("--max-length", type=int, default=None, help=f"default {FULL_SIZES['max_length']}, --quick: {QUICK_SIZES['max_length']}")
+    parser.add_argument("--short-streams", type=int, default=None, help=f"default {FULL_SIZES['short_streams']}, --quick: {QUICK_SIZES['short_streams']}")
+    parser.add_argument("--long-streams", type=int, default=None, help=f"default {FULL_SIZES['long_streams']}, --quick: {QUICK_SIZES['long_streams']}")
+    parser.add_argument("--long-tokens", type=int, default=None, help=f"default {FULL_SIZES['long_tokens']}, --quick: {QUICK_SIZES['long_tokens']}")
+    parser.add_argument("--texts", type=int, default=None, help=f"default {FULL_SIZES['texts']}, --quick: {QUICK_SIZES['texts']}")
+    parser.add_argument("--text-chars", type=int, default=None, help=f"default {FULL_SIZES['text_chars']}, --quick: {QUICK_SIZES['text_chars']}")
+    parser.add_argument("--bystander-tokens", type=int, default=None, help=f"default {FULL_SIZES['bystander_tokens']}, --quick: {QUICK_SIZES['bystander_tokens']}")
     parser.add_argument("--head-start", type=float, default=2.0, help="seconds the attacker's load runs before the others send")
     parser.add_argument("--timeout", type=float, default=180.0, help="client deadline of every request, s")
     parser.add_argument("--max-first-token", type=float, default=None, help="exit 1 past this first-token wait (s) under attack")
     parser.add_argument("--max-gap", type=float, default=None, help="exit 1 past this bystander token gap (s) under attack")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 hostile schemas of maxLength 1000, 300 short, "
-                        "48 long streams of 500 tokens, a bystander of 200 tokens")
+                        "48 long streams of 500 tokens, a bystander of 200 tokens; no texts scenario unless named")
+    parser.add_argument("--attack", default=None, help=argparse.SUPPRESS)  # the attacker's process (scenario_run)
     parser.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable), e.g. --max-num-seqs=64")
     args = parser.parse_args()
     exit_on_sigterm()  # the service is stopped on SIGTERM too
-    if args.quick:
-        args.hostile, args.max_length, args.short_streams, args.long_streams, args.long_tokens = 2, 1000, 300, 48, 500
-        args.bystander_tokens = 200
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    for name, value in sizes.items():  # a size given on the command line wins over --quick's
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.attack:
+        asyncio.run(attack(args.target, args.attack, args))
+        return 0
+    if args.scenarios is None:
+        args.scenarios = ",".join(QUICK_SCENARIOS if args.quick else SCENARIOS)
     scenarios = [s for s in args.scenarios.split(",") if s]
     if unknown := set(scenarios) - set(SCENARIOS):
         parser.error(f"unknown scenarios {sorted(unknown)}")

@@ -441,11 +441,16 @@ class ModelRunner:
         try:
             for new in plan.new_requests:
                 self._drop(new.req_id)  # sent again in full (after a preemption)
+                if new.sampling.constraint is not None:  # its matcher replays the output so far
+                    self.structured.add(
+                        new.req_id, new.sampling.constraint, new.token_ids[new.num_prompt_tokens :], new.sampling.compiled_grammar,
+                        new.tenant,
+                    )
+                if new.sampling.compiled_grammar:  # handed over (megabytes): not kept with the request
+                    new.sampling = replace(new.sampling, compiled_grammar=b"")
                 self.requests[new.req_id] = state = CachedRequestState(new, self.batch, self._adapter_of(new))
                 if new.images:
                     self._add_images(state, new.images)
-                if new.sampling.constraint is not None:  # its matcher replays the output so far
-                    self.structured.add(new.req_id, new.sampling.constraint, new.token_ids[new.num_prompt_tokens :])
             for cached in plan.cached_requests:
                 self.batch.append_blocks(self._state(cached.req_id).row, cached.new_block_ids)
         except BatchError as exc:

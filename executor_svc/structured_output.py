@@ -15,6 +15,15 @@ A matcher is a function of (constraint, output tokens): a request the executor r
 in full (new, resumed after preemption, or moved here from a dead executor) gets a
 matcher that first accepts the output tokens it already has.
 
+Compiled once: a request normally arrives with its grammar as the scheduler's check compiled it
+(`NewRequest.compiled_grammar`, xgrammar's serialize_json); a background thread deserializes it
+(which validates it; at most `max_grammar_bytes`). Without one (a grammar the scheduler did not
+keep), or with one that does not deserialize, the executor compiles it itself.
+
+Loads (deserializing or compiling) run one at a time, tenants in turns (`NewRequest.tenant`):
+the tenant that has waited longest since its last turn goes next, so one tenant's queued grammars
+delay another's by at most the load running.
+
 Compiling never stalls a step. Grammars compile as soon as the request arrives, off the
 step's path, in a child process bounded in time (`timeout_s`) and memory (`memory_bytes`,
 `pagoda.grammar_process`), which sends the compiled grammar back serialized; a background
@@ -38,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -57,6 +66,7 @@ COMPILE_THREADS = 1
 COMPILE_TIMEOUT_S = 30.0
 COMPILE_MEMORY_BYTES = 2 << 30  # above the compile process's footprint after start-up
 COMPILED_ENTRIES = 256  # compiled grammars kept by content (a hostile one: ~3.5 MB)
+MAX_GRAMMAR_BYTES = 64 << 20  # a serialized grammar the scheduler sends (it sends at most 16 MiB)
 
 
 class GrammarError(RuntimeError):
@@ -124,6 +134,7 @@ class StructuredOutput:
         memory_bytes: int = COMPILE_MEMORY_BYTES,
         defer: bool = True,
         compiled_entries: int = COMPILED_ENTRIES,
+        max_grammar_bytes: int = MAX_GRAMMAR_BYTES,
     ) -> None:
         self.model_dir = Path(model_dir)
         self._cache_limit_bytes = cache_limit_bytes
@@ -138,7 +149,14 @@ class StructuredOutput:
         self._requests: dict[str, _RequestGrammar] = {}
         self._compiled: OrderedDict[str, Future] = OrderedDict()  # constraint key -> its compile
         self._compiled_entries = compiled_entries
-        self.num_compiles = 0
+        self.num_compiles = 0  # constraints this executor compiled itself
+        self.num_received = 0  # grammars it took as the scheduler compiled them
+        self._turns_lock = threading.Lock()
+        self._queued: dict[str, deque] = {}  # tenant -> its loads waiting for the compile thread
+        self._last_turn: dict[str, int] = {}
+        self._turns = 0
+        self.turn_order: deque[str] = deque(maxlen=64)  # tenants, as their loads started
+        self.max_grammar_bytes = max_grammar_bytes
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -146,8 +164,12 @@ class StructuredOutput:
     def __bool__(self) -> bool:
         return bool(self._requests)
 
-    def add(self, req_id: str, constraint: Constraint, output_token_ids: list[int]) -> None:
-        """Start compiling `constraint` for `req_id`, whose output so far is `output_token_ids`."""
+    def add(
+        self, req_id: str, constraint: Constraint, output_token_ids: list[int], compiled_grammar: bytes = b"", tenant: str = ""
+    ) -> None:
+        """Start compiling `constraint` for `req_id`, whose output so far is `output_token_ids`:
+        deserializing `compiled_grammar` (the scheduler's compile) when given, else compiling it,
+        in `tenant`'s turn."""
         if self._threads is None:
             self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
             self._process = CompileProcess(str(self.model_dir), self.memory_bytes)
@@ -155,11 +177,40 @@ class StructuredOutput:
         key = constraint.key
         compiled = self._compiled.get(key)
         if compiled is None or (compiled.done() and compiled.exception() is not None and not isinstance(compiled.exception(), _CompileFailed)):
-            compiled = self._compiled[key] = self._threads.submit(self._compile, constraint)
+            compiled = self._compiled[key] = self._in_turn(tenant, self._load, constraint, compiled_grammar)
             while len(self._compiled) > self._compiled_entries:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(key)
         self._requests[req_id] = _RequestGrammar(compiled, output_token_ids, constraint.field)
+
+    def _in_turn(self, tenant: str, fn, *args) -> Future:
+        """`fn(*args)` on the compile thread, in `tenant`'s turn: each time the thread is free it runs
+        the next job of the tenant that has waited longest since its last turn (round robin), so one
+        tenant's queued grammars never hold another's first one behind them all."""
+        future: Future = Future()
+        with self._turns_lock:
+            self._queued.setdefault(tenant, deque()).append((future, fn, args))
+        self._threads.submit(self._run_next)  # one run per job: each runs whichever job's turn it is
+        return future
+
+    def _run_next(self) -> None:
+        with self._turns_lock:
+            tenant = min(self._queued, key=lambda t: self._last_turn.get(t, -1))
+            queue = self._queued[tenant]
+            future, fn, args = queue.popleft()
+            if not queue:
+                del self._queued[tenant]
+            self._turns += 1
+            self._last_turn[tenant] = self._turns
+            for idle in [t for t in self._last_turn if t not in self._queued and t != tenant]:  # bounded:
+                del self._last_turn[idle]  # only tenants with a load queued or running (this one)
+        self.turn_order.append(tenant)
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - the request's future carries it
+            future.set_exception(exc)
 
     def pending(self, req_id: str) -> bool:
         """Whether `req_id` is constrained and its grammar is still compiling (its matcher not built yet)."""
@@ -230,6 +281,23 @@ class StructuredOutput:
             num_accepted += 1
         if num_accepted:
             matcher.rollback(num_accepted)
+
+    def _load(self, constraint: Constraint, compiled_grammar: bytes):
+        """In the compile thread: the scheduler's compiled grammar if it deserializes, else our own compile."""
+        if compiled_grammar:
+            import xgrammar as xgr
+
+            info = self._tokenizer_info()
+            try:
+                if len(compiled_grammar) > self.max_grammar_bytes:
+                    raise ValueError(f"{len(compiled_grammar)} bytes, over {self.max_grammar_bytes}")
+                grammar = xgr.CompiledGrammar.deserialize_json(compiled_grammar.decode(), info)
+            except Exception as exc:  # noqa: BLE001 - any flaw: compile it here instead
+                logger.warning("the scheduler's compiled grammar for %s did not load (%s): compiling it here", constraint.field, exc)
+            else:
+                self.num_received += 1
+                return grammar
+        return self._compile(constraint)
 
     def _compile(self, constraint: Constraint):
         """In the compile thread: the compile process's grammar, deserialized here; raises _CompileFailed."""

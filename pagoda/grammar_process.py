@@ -6,8 +6,9 @@ one), and one that needs more than `memory_bytes` above the child's start-up foo
 there (its address space is capped), never in the caller's process. With `serialize=True` the
 child also sends the compiled grammar back (`xgrammar.CompiledGrammar.serialize_json`, at most
 `max_reply_bytes`), for the caller to deserialize off its hot path: the executor's matchers then
-never compile in its own process (executor_svc/structured_output.py). The scheduler only needs
-the verdict (scheduler_svc/constraint_check.py).
+never compile in its own process (executor_svc/structured_output.py). The scheduler's check
+keeps it too, and sends it with the request (scheduler_svc/constraint_check.py): an executor
+then deserializes it instead of compiling the constraint again.
 
 Nothing is pickled: the child and its parent exchange JSON and raw bytes over a pipe. The child
 is started with "spawn" (a fork would copy gRPC's, ZeroMQ's and torch's threads mid-flight).
@@ -74,8 +75,8 @@ class CompileProcess:
                 return self._overran(constraint, timeout_s)
             reply = json.loads(self._conn.recv_bytes())
             grammar = None
-            if serialize and "error" not in reply:
-                if not self._conn.poll(max(0.0, timeout_s - (time.monotonic() - started))):
+            if serialize and "error" not in reply:  # it compiled: serializing it has a bound of its own
+                if not self._conn.poll(timeout_s):
                     return self._overran(constraint, timeout_s)
                 grammar = self._conn.recv_bytes(self.max_reply_bytes)
         except (EOFError, OSError):

@@ -92,6 +92,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
     constraint: Constraint | None = None
+    # `constraint` as the scheduler's check compiled it (xgrammar's serialize_json; b"": not sent):
+    # the executor deserializes it instead of compiling (NewRequest.compiled_grammar on the wire)
+    compiled_grammar: bytes = field(default=b"", compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:
@@ -200,6 +203,7 @@ class NewRequestData:
     num_computed_tokens: int
     lora: str = ""  # the LoRA adapter the request runs with, by name; "" for the base model
     images: tuple[ImageInput, ...] = ()  # in prompt order (a vision-language model's)
+    tenant: str = ""  # who sent it (the API key's tenant; "" when keys are off): grammar loads take turns
 
     def __post_init__(self) -> None:
         self.block_ids = per_group(self.block_ids)

@@ -6,6 +6,8 @@ nothing is pickled.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pagoda.constraint import Constraint, ConstraintKind
 from pagoda.step import (
     BlockCopy,
@@ -92,6 +94,12 @@ def sampling_from_proto(msg: pb.StepSampling) -> SamplingParams:
     )
 
 
+def _with_grammar(sampling: SamplingParams, compiled_grammar: bytes) -> SamplingParams:
+    if not compiled_grammar or sampling.constraint is None:
+        return sampling
+    return dataclasses.replace(sampling, compiled_grammar=compiled_grammar)
+
+
 def kv_cache_groups_to_proto(groups: tuple[KVCacheGroupSpec, ...]) -> list[pb.KVCacheGroup]:
     return [pb.KVCacheGroup(layer_ids=g.layer_ids, sliding_window=g.sliding_window or 0) for g in groups]
 
@@ -150,6 +158,8 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 group_block_ids=_other_groups(r.block_ids),
                 lora=r.lora,
                 images=[_image_to_proto(image) for image in r.images],
+                tenant=r.tenant,
+                compiled_grammar=r.sampling.compiled_grammar if r.sampling.constraint is not None else b"",
             )
             for r in plan.new_requests
         ],
@@ -183,11 +193,12 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
                 req_id=r.req_id,
                 token_ids=list(r.token_ids),
                 num_prompt_tokens=r.num_prompt_tokens,
-                sampling=sampling_from_proto(r.sampling),
+                sampling=_with_grammar(sampling_from_proto(r.sampling), r.compiled_grammar),
                 block_ids=_per_group(r.block_ids, r.group_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 lora=r.lora,
                 images=tuple(_image_from_proto(image) for image in r.images),
+                tenant=r.tenant,
             )
             for r in msg.new_requests
         ],

@@ -16,6 +16,10 @@ characters is tokenized in a child process (`TokenizeProcess`, started on first 
 lower CPU priority): it returns the ids packed as bytes, or for Tokenize the serialized reply
 or only its size, so that the scheduler's process converts nothing it does not keep.
 
+Tenants take turns (`FairSlots`): the threads and the child each run the next job of the
+tenant that has waited longest since its last turn, not the oldest job, so one tenant's
+thousand texts delay another tenant's prompt by at most one job each of them already runs.
+
 Bounded before work: a text (or chat) is refused by its characters first (Generate: more than
 `max_model_len` tokens could hold, `validation.check_fields`; Tokenize: more than its token limit
 could), then by its tokens, counted in pieces so that a text over the limit is refused having
@@ -45,8 +49,10 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.v1 import generation_pb2 as pb
+from scheduler_svc.auth import current_tenant
 from scheduler_svc.chat import message_chars
 from scheduler_svc.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from scheduler_svc.fair_slots import FairSlots
 from scheduler_svc.media import ImagePrompts, MediaConfig, check_parts, decode_image, has_images, image_bytes, image_parts
 from scheduler_svc.tokenizer import ModelSpec, TooManyTokens, encode_text, load_tokenizer
 from scheduler_svc.validation import (
@@ -89,12 +95,14 @@ class PromptWorker:
         self.offload_chars = offload_chars
         self.tokenize_max_tokens = max(max_model_len, MAX_TOKENIZE_TOKENS)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        self._turns = FairSlots(threads)
         self._child = TokenizeProcess(model_dir, self._pool) if model_dir is not None else None
         self.media = media
         self.images = ImagePrompts.load(model_dir)
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        async with self._turns.turn(current_tenant()):  # tenants in turns, not first come first served
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def run(self, fn, *args):
         """`fn(*args)` on the tokenizer threads (Embed and Rerank tokenize there too)."""
@@ -215,8 +223,13 @@ class TokenizeProcess:
         self.model_dir = str(model_dir)
         self._threads = threads
         self._pool: ProcessPoolExecutor | None = None
+        self._turns = FairSlots(1)  # its one process's queue, in tenants' turns too
 
     async def run(self, fn, *args):
+        async with self._turns.turn(current_tenant()):
+            return await self._run(fn, *args)
+
+    async def _run(self, fn, *args):
         if self._pool is None:
             # spawn: a fork would copy gRPC's and ZeroMQ's threads' state mid-flight
             self._pool = ProcessPoolExecutor(

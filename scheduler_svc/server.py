@@ -88,12 +88,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tail = self.engine.tokenizer.decode(params.prompt_token_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
             params = dataclasses.replace(params, reasoning=(parser, parser.initial_state(tail)))
         if params.sampling.constraint is not None:
-            await self.constraints.check(params.sampling.constraint, current_tenant())  # its turn among tenants
+            # compiled once, here: the request carries the grammar to its executor (b"": it compiles it)
+            grammar = await self.constraints.check(params.sampling.constraint, current_tenant())  # its turn among tenants
+            constraint = params.sampling.constraint
             if parser is not None:  # the grammar starts once the reasoning ends
                 constraint = constrain_after_reasoning(params.sampling.constraint, *params.reasoning)
                 if constraint is not params.sampling.constraint:
-                    await self.constraints.check(constraint, current_tenant())  # the executors compile this one
-                    params = dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, constraint=constraint))
+                    grammar = await self.constraints.check(constraint, current_tenant())  # the one the executors run
+            sampling = dataclasses.replace(params.sampling, constraint=constraint, compiled_grammar=grammar)
+            params = dataclasses.replace(params, sampling=sampling)
         return params, self.engine.submit(params)  # under the caller's tenant (its cache salt too)
 
     def _reasoning_parser(self, request: pb.GenerateRequest):
@@ -223,10 +226,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 # gRPC's own default receive limit; every request must fit it (--max-request-bytes changes it).
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # Streams one client connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS,
-# --max-concurrent-streams). Well under gRPC's server-wide backlog of calls its handlers have
-# not taken yet (1000; past it gRPC cancels new calls of every connection at random), so one
-# connection's burst never gets another caller's calls cancelled.
+# --max-concurrent-streams), well under the server-wide backlog below.
 DEFAULT_MAX_CONCURRENT_STREAMS = 256
+# Calls gRPC holds before a handler takes them (its backlog). Past gRPC's default (1000, then
+# refusing new calls of every connection at random, all past 3000) a flood over many connections
+# got other tenants' calls CANCELLED (bench/stall_probe.py, 3,000 short streams over 15
+# connections: the bystander's call at once in one run, 680 calls in another); past this many,
+# calls are still refused. The handlers take them in arrival order and refuse the over-share
+# ones (RESOURCE_EXHAUSTED) in well under a millisecond each.
+MAX_PENDING_CALLS = 20_000
 
 
 def grpc_options(
@@ -248,6 +256,8 @@ def grpc_options(
         ("grpc.so_reuseport", 0),
         ("grpc.max_concurrent_streams", max_concurrent_streams),
         ("grpc.http.overload_protection", 0),
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
     ]
 
 

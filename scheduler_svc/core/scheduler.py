@@ -860,6 +860,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             lora=request.lora,
             images=request.images,
+            tenant=request.tenant,
         )
 
     def _send_forked(self, plan: StepPlan) -> None:

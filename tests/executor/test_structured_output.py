@@ -11,6 +11,7 @@ speculative decoding (drafts checked against the grammar). The reference is tran
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 
@@ -352,3 +353,72 @@ def test_a_row_the_grammar_leaves_no_token_fails_its_request_alone(default_runne
     assert [e.req_id for e in result.errors] == ["dead-end"]
     assert result.errors[0].message == f"{GRAMMAR_FAILED}constraint.regex: no token of the vocabulary continues it here"
     default_runner.execute(StepPlan(1, finished_req_ids=["dead-end", "good-neighbour"]))
+
+
+@pytest.mark.parametrize("sent", ["the scheduler's grammar", "bytes that do not deserialize"])
+def test_the_scheduler_compiled_grammar_is_taken_not_compiled_again(default_runner, expected, monkeypatch, sent):
+    """Compiled once (issue 43): a request that carries its grammar as the scheduler's check compiled it
+    (NewRequest.compiled_grammar, over the wire) is deserialized, never compiled on the executor, and
+    generates exactly transformers' constrained tokens; bytes that do not deserialize fall back to the
+    executor's own bounded compile, with the same tokens."""
+    import xgrammar as xgr
+
+    from executor_svc.structured_output import StructuredOutput
+    from pagoda import wire
+    from pagoda.grammars import compile_constraint, tokenizer_info
+
+    case = next(c for c in CASES if c.name == "json_schema")
+    if sent == "the scheduler's grammar":  # as the scheduler's compile process serializes it
+        compiler = xgr.GrammarCompiler(tokenizer_info(default_runner.model_dir), max_threads=1)
+        grammar = compile_constraint(compiler, case.constraint).serialize_json().encode()
+    else:
+        grammar = b'{"not": "a grammar"}'
+    structured = StructuredOutput(default_runner.model_dir)
+    monkeypatch.setattr(default_runner, "structured", structured)
+    scheduler = Scheduler(SchedulerConfig(num_blocks=256, block_size=16))
+    request = _requests(expected, f"sent-{len(grammar)}")[[c.name for c in CASES].index("json_schema")]
+    request.sampling = dataclasses.replace(request.sampling, compiled_grammar=grammar)
+    scheduler.add_requests([request])
+    try:
+        for _ in range(5_000):
+            if not scheduler.has_unfinished():
+                break
+            plan = scheduler.schedule()
+            sent_plan = wire.plan_from_proto(wire.plan_to_proto(plan))  # what the executor receives
+            assert all(r.sampling.compiled_grammar == grammar for r in sent_plan.new_requests)
+            _apply(scheduler, plan, default_runner.execute(sent_plan))
+            assert not any(state.sampling.compiled_grammar for state in default_runner.requests.values())  # not kept
+    finally:
+        default_runner.execute(scheduler.schedule())
+        structured.close()
+    assert request.output_token_ids == expected[case.name][1]
+    if sent == "the scheduler's grammar":
+        assert (structured.num_received, structured.num_compiles) == (1, 0)
+    else:
+        assert (structured.num_received, structured.num_compiles) == (0, 1)
+
+
+def test_the_executors_grammar_loads_take_tenants_in_turns(default_model_dir, monkeypatch):
+    """The compile thread runs one load at a time, tenants in turns (NewRequest.tenant): a tenant's
+    first grammar waits for the load running, not for another tenant's queue of them."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from executor_svc.structured_output import StructuredOutput
+
+    structured = StructuredOutput(default_model_dir)
+    structured._threads = ThreadPoolExecutor(1)  # (no compile process: the loads below are stand-ins)
+    queued = threading.Event()  # the first load runs until every other one is queued
+    monkeypatch.setattr(structured, "_load", lambda constraint, grammar: queued.wait(30) and constraint.value)
+    try:
+        for i in range(6):
+            structured.add(f"f{i}", Constraint.regex(f"f{i}"), [], b"", "flooder")
+        structured.add("b", Constraint.regex("b"), [], b"", "bystander")
+        structured.add("f6", Constraint.regex("f6"), [], b"", "flooder")
+        queued.set()
+        structured._requests["f6"].compiled.result(timeout=30)
+        assert structured._requests["b"].compiled.result() == "b"
+    finally:
+        structured.close()
+    # f0 was running when the bystander's came; then the bystander, then the flooder's in order
+    assert list(structured.turn_order) == ["flooder", "bystander", *["flooder"] * 6], structured.turn_order

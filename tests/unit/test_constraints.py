@@ -14,7 +14,7 @@ from pagoda.v1 import executor_pb2
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.constraint_check import ConstraintChecker
 from scheduler_svc.errors import InvalidArgument, ResourceExhausted
-from scheduler_svc.tokenizer import ModelSpec
+from scheduler_svc.tokenizer import ModelSpec, load_tokenizer
 from scheduler_svc.validation import check_fields
 
 SPEC = ModelSpec(max_position_embeddings=8192, vocab_size=49152, eos_token_ids=(2,))
@@ -126,6 +126,26 @@ def test_verdicts_are_cached_by_content_and_shared_by_concurrent_checks(checker)
     started = time.monotonic()
     assert _check(checker, Constraint(ConstraintKind.JSON_SCHEMA, schema.value)) is None
     assert checker.num_compiles == before + 1 and time.monotonic() - started < 0.1
+
+
+def test_the_check_returns_the_compiled_grammar_for_the_executors(checker, monkeypatch):
+    """Compiled once (issue 43): the check's compile is kept and sent with the request; it deserializes
+    into a matcher of the constraint. One over the size sent is not kept (b"": the executor compiles)."""
+    import xgrammar as xgr
+
+    from pagoda.grammars import tokenizer_info
+
+    schema = Constraint.json_schema({"type": "object", "properties": {"sent": {"type": "boolean"}}, "required": ["sent"]})
+    grammar = asyncio.run(checker.check(schema))
+    assert grammar and asyncio.run(checker.check(Constraint.json_schema(schema.value))) is grammar  # kept, not compiled again
+    model_dir = model_files.resolve_model(None, weights=False)
+    tokenizer = load_tokenizer(model_dir)
+    matcher = xgr.GrammarMatcher(xgr.CompiledGrammar.deserialize_json(grammar.decode(), tokenizer_info(model_dir)))
+    for token_id in tokenizer.encode('{"sent": true}', add_special_tokens=False):
+        assert matcher.accept_token(token_id)
+    assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+    monkeypatch.setattr(checker, "_max_sent_bytes", len(grammar) // 2)
+    assert asyncio.run(checker.check(Constraint.json_schema({"type": "object", "properties": {"big": {"type": "boolean"}}}))) == b""
 
 
 def test_a_compile_over_the_time_limit_is_killed_and_refused_and_the_next_one_compiles(checker):
