@@ -293,7 +293,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, cos, sin, c.rotary_dim, ops)
         out = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **self.options)
-        if meta.image_spans:
+        if meta is not None and meta.image_spans:  # (a pooling model's attention runs without metadata)
             out = image_attention(out.view(num_tokens, c.num_heads, c.head_dim), q, kv_cache, meta, self.scale, self.sliding_window)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, c.q_size)))
 

@@ -160,9 +160,12 @@ def test_bert_gguf_equals_sentence_transformers(root, mode, normalize, outtype, 
         assert cos.min() >= cosine, cos
 
 
-def test_bert_gguf_refusals(root):
+def test_bert_gguf_refusals(root, tmp_path, monkeypatch):
     """What the runner cannot serve is refused naming the key: pooling NONE, a BERT classifier."""
     from pagoda import model_files
+
+    # a cache of its own: the shared one may hold other tests' files being written (CI saw one)
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
     from pagoda.pooling_files import PoolingError
 
     folder = st_folder(bert_folder(root, seed=7), "mean", False)
