@@ -108,6 +108,32 @@ def is_vision_weight(name: str) -> bool:
     return name.startswith(_PREFIXES)
 
 
+# where a checkpoint keeps the language model (the layout depends on the transformers version too)
+_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
+
+
+def text_weight_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under the text model's name; None for the vision tower's
+    and projector's (they are `VisionEncoder.load`'s)."""
+    if is_vision_weight(name):
+        return None
+    for prefix, text in _TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return text + name.removeprefix(prefix)
+    return name
+
+
+def top_level_overrides(hf) -> dict:
+    """What a multimodal config sets for the whole model over its text config: tied embeddings, eos ids."""
+    changes = {}
+    if hasattr(hf, "tie_word_embeddings"):
+        changes["tie_word_embeddings"] = bool(hf.tie_word_embeddings)
+    eos = getattr(hf, "eos_token_id", None)
+    if eos is not None:
+        changes["eos_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    return changes
+
+
 class VisionEncoder(nn.Module):
     """transformers' vision tower and projector of a multimodal checkpoint; one image at a time or a batch."""
 

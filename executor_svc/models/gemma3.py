@@ -17,12 +17,9 @@ from executor_svc.model import DecoderModel, ModelConfig
 from executor_svc.model import weight_target as text_weight_target
 from executor_svc.models import ModelFamily
 from executor_svc.models.hf_config import base_fields, check_activation, rope, unsupported
-
+from executor_svc.vision import text_weight_name
 
 MULTIMODAL = "Gemma3ForConditionalGeneration"
-# a multimodal checkpoint's language-model prefixes -> the text model's
-_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def read_config(hf, architecture: str) -> ModelConfig:
@@ -64,12 +61,8 @@ def weight_target(name: str, config: ModelConfig):
     """The text model's target (`layers.weight_target`) of a checkpoint tensor; a multimodal
     checkpoint's language-model names are read as the text model's, its vision weights skipped
     (they are the tower's: `executor_svc.vision.VisionEncoder.load`)."""
-    if name.startswith(_VISION_PREFIXES):
-        return None
-    for prefix, text in _TEXT_PREFIXES.items():
-        if name.startswith(prefix):
-            return text_weight_target(text + name.removeprefix(prefix), config)
-    return text_weight_target(name, config)
+    name = text_weight_name(name)
+    return None if name is None else text_weight_target(name, config)
 
 
 FAMILY = ModelFamily(read_config, DecoderModel, weight_target)

@@ -16,10 +16,9 @@ from dataclasses import replace
 from executor_svc.model import DecoderModel, ModelConfig
 from executor_svc.models import BY_MODEL_TYPE, ModelFamily, family
 from executor_svc.models.hf_config import unsupported
-from executor_svc.vision import is_vision_weight
+from executor_svc.vision import text_weight_name, top_level_overrides
 
 # a multimodal checkpoint's language-model prefixes -> the text model's
-_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
 
 
 def text_architecture(hf) -> str:
@@ -34,24 +33,13 @@ def read_config(hf, architecture: str) -> ModelConfig:
     text = hf.get_text_config()
     text_arch = text_architecture(hf)
     config = family(text_arch).read_config(text, text_arch)
-    changes = {"architecture": architecture, "multimodal": hf}
-    if hasattr(hf, "tie_word_embeddings"):  # what the multimodal config sets itself
-        changes["tie_word_embeddings"] = bool(hf.tie_word_embeddings)
-    eos = getattr(hf, "eos_token_id", None)
-    if eos is not None:
-        changes["eos_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    return replace(config, **changes)
+    return replace(config, architecture=architecture, multimodal=hf, **top_level_overrides(hf))
 
 
 def weight_target(name: str, config: ModelConfig):
     """The text family's target of a language-model tensor; vision tensors are the tower's (skipped here)."""
-    if is_vision_weight(name):
-        return None
-    for prefix, text in _TEXT_PREFIXES.items():
-        if name.startswith(prefix):
-            name = text + name.removeprefix(prefix)
-            break
-    return family(text_architecture(config.multimodal)).weight_target(name, config)
+    name = text_weight_name(name)
+    return None if name is None else family(text_architecture(config.multimodal)).weight_target(name, config)
 
 
 FAMILY = ModelFamily(read_config, DecoderModel, weight_target)

@@ -14,9 +14,8 @@ from __future__ import annotations
 from executor_svc.model import DecoderModel, ModelConfig, weight_target as text_weight_target
 from executor_svc.models import ModelFamily
 from executor_svc.models.hf_config import base_fields, check_activation, rope, unsupported
-from executor_svc.vision import is_vision_weight
+from executor_svc.vision import text_weight_name, top_level_overrides
 
-_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
 
 
 def read_config(hf, architecture: str) -> ModelConfig:
@@ -25,11 +24,7 @@ def read_config(hf, architecture: str) -> ModelConfig:
     fields = base_fields(text, architecture, qkv_bias=True, o_bias=False)
     if any(t == "sliding_attention" for t in fields["layer_types"]):
         raise unsupported("Qwen2.5-VL with sliding-window layers")
-    if hasattr(hf, "tie_word_embeddings"):
-        fields["tie_word_embeddings"] = bool(hf.tie_word_embeddings)
-    eos = getattr(hf, "eos_token_id", None)
-    if eos is not None:
-        fields["eos_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    fields.update(top_level_overrides(hf))
     inv_freq, scaling, dim = rope(text, fields["head_dim"])
     section = tuple(text.rope_parameters.get("mrope_section") or ())
     if dim != fields["head_dim"] or sum(section) != dim // 2 or len(section) != 3:
@@ -38,13 +33,8 @@ def read_config(hf, architecture: str) -> ModelConfig:
 
 
 def weight_target(name: str, config: ModelConfig):
-    if is_vision_weight(name):
-        return None
-    for prefix, text in _TEXT_PREFIXES.items():
-        if name.startswith(prefix):
-            name = text + name.removeprefix(prefix)
-            break
-    return text_weight_target(name, config)
+    name = text_weight_name(name)
+    return None if name is None else text_weight_target(name, config)
 
 
 FAMILY = ModelFamily(read_config, DecoderModel, weight_target)

@@ -22,7 +22,7 @@ from pagoda.images import image_inputs as images_of
 from pagoda.step import ImageInput, ImageTensor, KVCacheGroupSpec
 from pagoda.v1 import executor_pb2 as pb
 from tests.executor.plans import PlanBuilder, run_to_completion
-from tests.model_families import tiny_config
+from tests.vision_models import tiny_gemma3, tiny_llava
 
 MAX_TOKENS = 6
 BLOCK_SIZE = 4
@@ -52,57 +52,16 @@ def perturb_and_save(model, tokenizer, out_dir):
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory, default_model_dir):
-    """(folder, processor, transformers' model) of a tiny LLaVA: 32 px images, 8 px patches, 16 image tokens."""
-    import transformers as T
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    tokenizer = T.AutoTokenizer.from_pretrained(str(default_model_dir))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    processor = T.LlavaProcessor(
-        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
-        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
-    )
-    text = T.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
-                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                image_size=32, patch_size=8, projection_dim=32)
-    config = T.LlavaConfig(text_config=text, vision_config=vision, image_token_id=processor.image_token_id,
-                           vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu")
-    torch.manual_seed(0)
+    """(folder, processor, transformers' model) of a tiny LLaVA (tests/vision_models.py)."""
     out_dir = tmp_path_factory.mktemp("llava")
-    model = perturb_and_save(T.LlavaForConditionalGeneration(config), tokenizer, out_dir)
-    return out_dir, processor, model
+    return out_dir, *tiny_llava(default_model_dir, out_dir)
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory, default_model_dir):
-    """(folder, processor, transformers' model) of a tiny Gemma 3: 28 px images, 14 px patches pooled to 4 soft tokens."""
-    import transformers as T
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-
-    tokenizer = T.AutoTokenizer.from_pretrained(
-        str(default_model_dir),
-        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
-    )
-    processor = T.Gemma3Processor(
-        image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}, do_pan_and_scan=False),
-        tokenizer=tokenizer, image_seq_length=4,
-    )
-    text = tiny_config("gemma3")  # three windowed layers (window 16) then one full
-    text.vocab_size = len(tokenizer)
-    vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                  image_size=28, patch_size=14)
-    config = T.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                            boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
-                            image_token_index=tokenizer.image_token_id, eos_token_id=2)
-    torch.manual_seed(1)
+    """(folder, processor, transformers' model) of a tiny Gemma 3 (tests/vision_models.py)."""
     out_dir = tmp_path_factory.mktemp("gemma3")
-    model = T.Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():  # (initialised to zeros: images would change nothing)
-        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
-    model = perturb_and_save(model, tokenizer, out_dir)
-    return out_dir, processor, model
+    return out_dir, *tiny_gemma3(default_model_dir, out_dir)
 
 
 @pytest.fixture(scope="module")

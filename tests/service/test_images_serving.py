@@ -25,6 +25,7 @@ from PIL import Image, ImageDraw
 
 from pagoda.v1 import generation_pb2 as pb
 from tests.service.harness import Service, collect
+from tests.vision_models import tiny_gemma3, tiny_llava
 
 MAX_TOKENS = 8
 TEMPLATE = (
@@ -63,35 +64,9 @@ WIDE, TALL = draw(48, 30, (200, 30, 60)), draw(22, 40, (20, 160, 220))
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory, default_model_dir):
-    """(folder, processor, transformers' model) of a tiny LLaVA: 32 px images, 8 px patches, 16 image tokens."""
-    import transformers as T
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    tokenizer = T.AutoTokenizer.from_pretrained(str(default_model_dir))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    tokenizer.chat_template = TEMPLATE
-    processor = T.LlavaProcessor(
-        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
-        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=TEMPLATE,
-    )
-    text = T.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
-                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                image_size=32, patch_size=8, projection_dim=32)
-    config = T.LlavaConfig(text_config=text, vision_config=vision, image_token_id=processor.image_token_id,
-                           vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu")
-    torch.manual_seed(0)
-    model = T.LlavaForConditionalGeneration(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 1:
-                param.add_(torch.randn_like(param) * 0.3)
+    """(folder, processor, transformers' model) of a tiny LLaVA (tests/vision_models.py), its chat template TEMPLATE."""
     out_dir = tmp_path_factory.mktemp("llava")
-    model.save_pretrained(out_dir)
-    processor.save_pretrained(out_dir)
-    return out_dir, processor, model.eval()
+    return out_dir, *tiny_llava(default_model_dir, out_dir, TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -209,39 +184,9 @@ BUDGET = 8
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory, default_model_dir):
-    """(folder, processor, transformers' model) of a tiny Gemma 3: 28 px images, 14 px patches pooled to 4 soft tokens."""
-    import transformers as T
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-
-    from tests.model_families import tiny_config
-
-    tokenizer = T.AutoTokenizer.from_pretrained(
-        str(default_model_dir),
-        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
-    )
-    tokenizer.chat_template = GEMMA_TEMPLATE
-    processor = T.Gemma3Processor(
-        image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}, do_pan_and_scan=False),
-        tokenizer=tokenizer, image_seq_length=4, chat_template=GEMMA_TEMPLATE,
-    )
-    text = tiny_config("gemma3")
-    text.vocab_size = len(tokenizer)
-    vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                  image_size=28, patch_size=14)
-    config = T.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                            boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
-                            image_token_index=tokenizer.image_token_id, eos_token_id=2)
-    torch.manual_seed(1)
-    model = T.Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():  # (initialised to zeros: images would change nothing)
-        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
-        for param in model.parameters():
-            if param.ndim == 1:
-                param.add_(torch.randn_like(param) * 0.3)
+    """(folder, processor, transformers' model) of a tiny Gemma 3 (tests/vision_models.py), its chat template GEMMA_TEMPLATE."""
     out_dir = tmp_path_factory.mktemp("gemma3")
-    model.save_pretrained(out_dir)
-    processor.save_pretrained(out_dir)
-    return out_dir, processor, model.eval()
+    return out_dir, *tiny_gemma3(default_model_dir, out_dir, GEMMA_TEMPLATE)
 
 
 def test_gemma3_chunks_are_cut_before_an_image_and_equal_transformers(gemma3):
