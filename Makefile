@@ -34,7 +34,7 @@ run: setup
 	./scripts/run.sh
 
 test: setup compose-tools
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=40
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" $(FAST_TESTS)

@@ -67,6 +67,7 @@ the next one).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -103,27 +104,24 @@ class _InFlight:
 class _AdapterCap:
     """Which waiting requests a step may start under `max_loras`, without starving an adapter.
 
-    A request of an adapter already running, or of a new one while fewer than `max_loras` run,
-    starts. The first request (in the queue's order) whose adapter finds no room stops every
-    other adapter's new requests but its own and the base model's: the running adapters then
-    drain, and the next one to finish makes room for it, however busy the others are.
+    The adapters the waiting requests need that are not running are taken in line, tenants in
+    turns (the one using the fewest running adapters first, then the queue's order; tenants
+    held back by "Fair shares" left out). The first of them that the free adapter slots hold start this step; when one
+    more is in line (`next_in`), no new request of a running adapter starts: the running
+    adapters drain, and the next one to finish makes room for it, however busy the others are
+    and whichever tenant keeps them busy. The base model's requests always start.
     """
 
-    def __init__(self, max_loras: int, running: set[str]) -> None:
-        self.max_loras = max_loras
-        self.active = running
-        self.next_in: str | None = None  # the adapter waiting for room, once one is
+    def __init__(self, max_loras: int, running: set[str], in_line: list[str]) -> None:
+        free = max(max_loras - len(running), 0)
+        self.running = running
+        self.starting = set(in_line[:free])
+        self.next_in: str | None = in_line[free] if len(in_line) > free else None
 
     def admits(self, lora: str) -> bool:
-        if not lora:
+        if not lora or lora in self.starting:
             return True
-        if self.next_in is not None:
-            return lora == self.next_in and len(self.active) < self.max_loras
-        if lora in self.active or len(self.active) < self.max_loras:
-            self.active.add(lora)  # (an admission may still fail for room: the cap only counts it once more)
-            return True
-        self.next_in = lora
-        return False
+        return lora in self.running and self.next_in is None
 
 
 @dataclass
@@ -810,7 +808,23 @@ class Scheduler:
         """The step's LoRA adapters under `max_loras` (None: no limit, or no request with an adapter waits)."""
         if not self.config.max_loras or not any(r.lora for r in self._waiting):
             return None
-        return _AdapterCap(self.config.max_loras, {r.lora for r in self._running if r.lora})
+        running = {r.lora for r in self._running if r.lora}
+        fair = self._fair
+        by_tenant: dict[str, list[str]] = {}  # tenant -> the adapters its waiting requests need, in queue order
+        for r in self._waiting:
+            if (r.lora and r.lora not in running and r.req_id not in self._held and not r.num_output_placeholders
+                    and (fair is None or not fair.holds_back(r.tenant))):
+                needs = by_tenant.setdefault(r.tenant, [])
+                if r.lora not in needs:
+                    needs.append(r.lora)
+        # Tenants take turns at the adapter slots: the one using the fewest running adapters first
+        # (then the queue's order), one adapter each a round.
+        using = Counter(tenant for tenant, _ in {(r.tenant, r.lora) for r in self._running if r.lora})
+        tenants = sorted(by_tenant, key=lambda t: using[t])  # (stable: the queue's order among equals)
+        in_line: dict[str, None] = {}
+        for round_ in itertools.zip_longest(*(by_tenant[t] for t in tenants)):
+            in_line.update((lora, None) for lora in round_ if lora is not None)
+        return _AdapterCap(self.config.max_loras, running, list(in_line))
 
     def _admit(self, request: Request, plan: StepPlan, budget: int) -> int:
         """Start a waiting request from its prefix hit; the tokens scheduled, 0 if no room."""

@@ -109,3 +109,45 @@ def test_base_and_adapters_never_share_cached_blocks():
 def test_max_loras_is_checked():
     with pytest.raises(ValueError, match="max_loras"):
         SchedulerConfig(num_blocks=8, max_loras=-1)
+
+
+def test_tenants_keep_their_shares_when_their_requests_run_adapters():
+    """Tenant x keeps two adapters busy with long requests (every slot it can get); tenant y then sends
+    one request of a third adapter and one of the base model. With `max_loras` 2 y's adapter must wait
+    for a slot *and* for an adapter's room: its requests still start within a few steps (x's new requests
+    of a and b wait behind it, x's running ones over its share are preempted), no step holds more than
+    two adapters, and every request ends with its own tokens."""
+    scheduler, executor = make(max_loras=2, max_num_seqs=8, budget=64)
+    counter = 0
+
+    def add(tenant, lora, max_tokens=12):
+        nonlocal counter
+        counter += 1
+        request = with_lora(make_request(f"{tenant}-{lora or 'base'}-{counter}", [counter % 50 + 1, 7, 9, 11], max_tokens,
+                                         arrival_time=counter), lora)
+        request.tenant = tenant
+        scheduler.add_requests([request])
+        return request
+
+    for _ in range(8):
+        add("x", "a")
+        add("x", "b")
+    for _ in range(3):
+        plan = scheduler.schedule()
+        scheduler.update_from_output(plan, executor.execute(plan))
+    assert all(r.tenant == "x" for r in scheduler.running) and len(scheduler.running) == 8
+    y_requests = [add("y", "c", max_tokens=4), add("y", "", max_tokens=4)]
+    started = {}
+    for step in range(40):
+        add("x", "a" if step % 2 else "b")
+        plan = scheduler.schedule()
+        assert len(adapters_of(scheduler, plan)) <= 2
+        for request in y_requests:
+            if request.req_id in plan.num_scheduled_tokens:
+                started.setdefault(request.req_id, step)
+        scheduler.update_from_output(plan, executor.execute(plan))
+        scheduler.check_integrity()
+    assert set(started) == {r.req_id for r in y_requests}, started
+    assert max(started.values()) <= 12, started  # bounded by x's running requests' length (12 tokens), not its queue
+    assert all(r.is_finished for r in y_requests)
+    assert scheduler.num_preemptions > 0  # x was over its share of 4 slots when y came

@@ -430,3 +430,69 @@ def test_n_siblings_fork_within_their_adapter(tmp_path, default_model_dir, promp
         assert request.output_token_ids[: len(expected_adapted)] == expected_adapted
     for request in plain:
         assert request.output_token_ids[: len(expected_plain)] == expected_plain
+
+
+def test_beam_search_and_a_constraint_run_through_the_adapter(tmp_path, default_model_dir, prompt, default_tokenizer):
+    """An adapter's beam search beside the base model's (each forked within its own model), then a
+    JSON schema and a choice constraint on an adapter's request beside the base's: the best beams equal
+    `PeftModel.generate(num_beams=3)`'s and the base's `generate`'s, the constrained greedy tokens
+    transformers + xgrammar's processor on each model."""
+    from scheduler_svc.beam_search import BeamSearch, BeamSearchParams, apply_beam_step
+    from tests.structured_reference import CASES, Reference
+
+    base, a, _ = family_adapters("llama", tmp_path, default_model_dir)
+    runner = ModelRunner(base, device="cpu", dtype="float32", block_size=4, num_kv_blocks=200, enable_lora=True)
+    runner.add_lora("a", a)
+    models = {"a": peft_reference(base, a), "": load_reference(base)}
+    width, n, max_tokens = 3, 2, 6
+    eos = models[""].generation_config.eos_token_id
+    eos = frozenset([eos] if isinstance(eos, int) else eos or ())
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, n=n, stop_token_ids=eos, eos_token_ids=eos,
+                              vocab_size=runner.vocab_size)
+    scheduler = Scheduler(SchedulerConfig(num_blocks=runner.num_kv_blocks, block_size=4, max_model_len=runner.max_model_len,
+                                          kv_cache_groups=runner.kv_cache_groups, max_num_batched_tokens=32))
+    searches = {lora: BeamSearch(f"beams-{lora or 'base'}", prompt, params, lora=lora) for lora in models}
+    for search in searches.values():
+        scheduler.add_requests([search.root()])
+    for _ in range(500):
+        if not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule()
+        for update in scheduler.update_from_output(plan, runner.execute(plan)):
+            for search in searches.values():
+                if update.sampled is not None and update.req_id in search.live_req_ids:
+                    beam_step = search.on_sampled(update.sampled)
+                    if beam_step is not None:
+                        apply_beam_step(scheduler, beam_step)
+        scheduler.check_integrity()
+    runner.execute(scheduler.schedule())  # drop the finished beams' state
+    assert not runner.requests
+    best = {}
+    for lora, search in searches.items():
+        assert search.done
+        with torch.no_grad():
+            rows = models[lora].generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                         num_beams=width, num_return_sequences=n, do_sample=False,
+                                         max_new_tokens=max_tokens)
+        want = [row[len(prompt):].tolist() for row in rows]
+        want = [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in want]  # padded after EOS
+        best[lora] = [list(h.output_token_ids) for h in search.best()]
+        assert best[lora] == want, lora
+    assert best["a"] != best[""]
+
+    cases = [case for case in CASES if case.name in ("json_schema", "choice")]
+    requests, wanted = [], {}
+    reference = Reference(models[""], default_tokenizer)  # (one tokenizer info: the adapter keeps the vocabulary)
+    for lora, model in models.items():
+        reference.model = model
+        for case in cases:
+            ids = reference.prompt_ids(case.prompt)
+            req_id = f"{case.name}-{lora or 'base'}"
+            wanted[req_id] = reference.greedy(ids, case.constraint, case.max_tokens)
+            requests.append(Request(req_id, ids, SamplingParams(temperature=0.0, stop_token_ids=(2,), constraint=case.constraint),
+                                    max_tokens=case.max_tokens, eos_token_ids=frozenset({2}), lora=lora))
+    runner.structured.defer = False  # the core loop here does not re-admit a request whose grammar is pending
+    serve(runner, requests, max_num_batched_tokens=64)
+    for request in requests:
+        assert request.output_token_ids == wanted[request.req_id], request.req_id
+    assert wanted["json_schema-a"] != wanted["json_schema-base"]
