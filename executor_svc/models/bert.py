@@ -296,8 +296,9 @@ def hf_tensor_names(c: EncoderConfig) -> list[str]:
 
 def load_encoder_gguf(gguf_path: str | Path, model_dir: str | Path, device: torch.device,
                       dtype: torch.dtype) -> EncoderModel:
-    """The encoder of a `bert` GGUF file (llama.cpp's converter's layout), its config the metadata
-    folder's (`pagoda.gguf_pooling`). Each tensor is found through the `gguf` package's name map
+    """The encoder of a `bert` GGUF file (llama.cpp's converter's layout: BERT, or XLM-RoBERTa with
+    its reranker head as `cls` / `cls.output`), its config the metadata folder's
+    (`pagoda.gguf_pooling`). Each tensor is found through the `gguf` package's name map
     (BERT's checkpoint name -> `token_embd`, `blk.N.attn_q`, ...) and dequantized into `dtype` (F32,
     F16, Q8_0 and every type `gguf.quants` dequantizes); a tensor of the file with no place in the
     model, or one the model lacks, is refused by name."""
@@ -308,8 +309,9 @@ def load_encoder_gguf(gguf_path: str | Path, model_dir: str | Path, device: torc
     from executor_svc.loader import UnsupportedModelError
 
     c = read_config(model_dir)
-    if c.head is not None:
-        raise UnsupportedModelError(f"{Path(gguf_path).name}: GGUF classifiers are not served")
+    if c.head == "bert":
+        raise UnsupportedModelError(f"{Path(gguf_path).name}: GGUF BERT classifiers are not served (the converter "
+                                    "drops their pooler.dense)")
     reader = gguf.GGUFReader(str(gguf_path))
     tensors = {t.name: t for t in reader.tensors}
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, c.num_layers)
@@ -319,7 +321,13 @@ def load_encoder_gguf(gguf_path: str | Path, model_dir: str | Path, device: torc
     params = dict(model.named_parameters())
     filled = dict.fromkeys(params, 0)
     used = set()
-    for hf_module in hf_tensor_names(c):
+    modules = hf_tensor_names(c)
+    if c.head == "roberta":  # -> cls, cls.output
+        modules += ["classifier.dense", "classifier.out_proj"]
+    # XLM-RoBERTa: the converter cut the rows before padding_idx + 1 off position_embd (no input
+    # uses row 0; a <pad> token inside an input takes row padding_idx, which transformers keeps at zero)
+    position_offset = c.pad_token_id + 1 if c.roberta_positions else 0
+    for hf_module in modules:
         base = name_map.get_name(hf_module)
         if base is None:
             raise UnsupportedModelError(f"the gguf package maps no tensor for {hf_module}")
@@ -333,6 +341,10 @@ def load_encoder_gguf(gguf_path: str | Path, model_dir: str | Path, device: torc
             dest = params[param_name].data
             if row is not None:
                 dest = dest.narrow(0, row, values.shape[0])
+            if hf_module == "embeddings.position_embeddings" and position_offset:
+                dest[:position_offset].zero_()
+                filled[param_name] += dest[:position_offset].numel()
+                dest = dest[position_offset:]
             if dest.shape != values.shape:
                 raise UnsupportedModelError(f"{Path(gguf_path).name}: {t.name} of shape {tuple(values.shape)}, "
                                             f"expected {tuple(dest.shape)}")

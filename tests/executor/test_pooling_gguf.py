@@ -9,10 +9,18 @@ folder). The file goes through `pagoda.model_files` (its metadata folder) into t
 cosine >= 0.9999 and 1e-4, F16 within cosine >= 0.99999, Q8_0 within cosine >= 0.999 (the
 weights the file holds are rounded). The tokenizer made from the file must give the folder's
 token ids.
+
+XLM-RoBERTa (multilingual E5, bge-m3, the reranker bge-reranker-v2-m3) the same way: a random
+XLM-R folder with a SentencePiece-Unigram tokenizer (pieces and scores trained here, a real
+precompiled charsmap), written as the converter's `XLMRobertaModel` writes it (compared key by
+key and tensor by tensor with the converter's output on such folders: only `general.*` naming
+keys differ); its vectors equal `SentenceTransformer.encode`, its reranker's scores
+`CrossEncoder.predict`, its ids the folder tokenizer's on multilingual texts.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -20,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagoda.v1 import executor_pb2 as pb
 from tests.executor.test_pooling import HIDDEN, MAX_POSITIONS, SPECIAL_BERT, WORDS, assert_vectors_equal, perturb, \
     pool_requests, st_folder, texts
 
@@ -161,7 +170,8 @@ def test_bert_gguf_equals_sentence_transformers(root, mode, normalize, outtype, 
 
 
 def test_bert_gguf_refusals(root, tmp_path, monkeypatch):
-    """What the runner cannot serve is refused naming the key: pooling NONE, a BERT classifier."""
+    """What the runner cannot serve is refused naming the key: pooling NONE, RANK without a
+    classifier, a BERT classifier."""
     from pagoda import model_files
 
     # a cache of its own: the shared one may hold other tests' files being written (CI saw one)
@@ -203,6 +213,9 @@ def test_bert_gguf_refusals(root, tmp_path, monkeypatch):
     none = rewrite("none.gguf", lambda w: w.add_pooling_type(gguf.PoolingType.NONE))
     with pytest.raises(PoolingError, match=r"bert\.pooling_type: NONE"):
         model_files.resolve_model(str(none), weights=False)
+    rank = rewrite("rank.gguf", lambda w: w.add_pooling_type(gguf.PoolingType.RANK))
+    with pytest.raises(PoolingError, match=r"bert\.pooling_type: RANK .*no classifier"):
+        model_files.resolve_model(str(rank), weights=False)
     labels = rewrite("classifier.gguf", lambda w: w.add_classifier_output_labels(["LABEL_0"]))
     with pytest.raises(PoolingError, match=r"bert\.classifier\.output_labels: a BERT classifier"):
         model_files.resolve_model(str(labels), weights=False)
@@ -306,3 +319,203 @@ def test_qwen3_embedding_gguf_equals_sentence_transformers(root):
     assert (runner.spec.pooling_mode, runner.spec.normalize) == ("lasttoken", True)
     reference = SentenceTransformer(str(folder), device="cpu").encode(inputs, convert_to_numpy=True)
     assert_vectors_equal(runner.run(pool_requests(tok, inputs, normalize=True)), reference)
+
+
+# SentencePiece's precompiled normalization map (the `precompiled_charsmap` XLM-R's tokenizer
+# carries), zlib-compressed: made by sentencepiece 0.2.3's trainer from these rules (its
+# `normalization_rule_tsv`; the full nmt_nfkc map is ~240 KB): Ａ->A, ｂ->b, ﬁ->fi, ①->1,
+# U+3000->space, E+U+0301->É, Ⅻ->XII, …->..., ｶ->カ, tab->space
+XLMR_CHARSMAP = (
+    "eNod0wmQl2McB/DfvrOaZco0Y8Y4Soac5d9UzhCFWEaXoxVypM3KmQ6VY3e17EqHzu3ALtrULiGWapfYjcUm5c5Zm1EzRVKUcnze"
+    "3pnPfL/zPs+88848vyeyI+LYiIPbRPoUNh+RRNFBEYfpVTKRhRVJVFs/RK9oH9FKltQlUZjNGXFgf1vvKmWOPJRi/XBJHMlTTUkc"
+    "LY/CJ6IdHTiGmsYkar+POF4/jhPoyEmcyCmcTCdO5TQ604UMda2TqC9PorveDb8Up3MWZ3IOZ3MuPTif87iAnvTiQi6iN5dwMZfS"
+    "h1wu4wou58p0T04S/WRfBtCfqxjINVzNIK7lOvK4nsHcyA3cxBBu4WaGcivDuI3h5FPA7YzgDu7iTu7hbu7jXu5nJKMZxVjGMI4H"
+    "mMB4HuJBHuFhitKD51GKKWEij/MYZZQyiSeYzJNMZUp6tkxjBtOZxUzmMJu5lDOfeTzNAp7lGSqp4HmeYyEvsIgqFvMi1SzhpXRm"
+    "WMrLvMorLOM13uB13qSW5bzFSlZQn84M7/A277KKBt5jNY18wPt8SBMf8xFraGYtn7COT/mM9XzB53zFl3zD13zLBox6fMeP/MBG"
+    "fqKFTfzMZn7ht5qs2Cq3pGulWdEyMyu269vSNX7ld3bwBzvZzS7+4k/2sod9/M0/7Oc//j1w/TOZTHR1D/Jyc01gfkE0lEVLcXX8"
+    "Dyifmp4="
+)
+MULTILINGUAL = [
+    "the cat runs fast over the river", "le chat court vite sur la rivière", "der Hund läuft über den Fluss",
+    "собака бежит через реку", "猫はとても速く走る", "القط يجري بسرعة", "École du chat",
+    "l'oiseau chante la nuit",
+    "die Katze und der Hund", "вода и камень", "鳥は夜に歌う", "الماء والحجر",
+]
+
+
+def xlmr_tokenizer(max_length: int):
+    """An XLM-RoBERTa tokenizer as transformers builds one from a SentencePiece model: a Unigram of
+    (piece, score) laid out as XLM-R's (<s> <pad> </s> <unk>, the pieces, <mask>), the
+    Precompiled normalizer of XLMR_CHARSMAP; its pieces and scores trained here by `tokenizers`."""
+    import base64
+    import zlib
+
+    import transformers as T
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    charsmap = zlib.decompress(base64.b64decode("".join(XLMR_CHARSMAP)))
+    trainer_tok = Tokenizer(models.Unigram())
+    trainer_tok.normalizer = normalizers.Precompiled(charsmap)
+    trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=220, special_tokens=["<unk>"], unk_token="<unk>", shrinking_factor=0.9)
+    trainer_tok.train_from_iterator([*MULTILINGUAL, " ".join(WORDS)] * 20, trainer)
+    pieces = [(p, s) for p, s in json.loads(trainer_tok.to_str())["model"]["vocab"] if p != "<unk>"]
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), *pieces, ("<mask>", 0.0)]
+    return T.XLMRobertaTokenizer(vocab=vocab, _spm_precompiled_charsmap=charsmap, model_max_length=max_length)
+
+
+def xlmr_folder(root: Path, seed: int, labels: int = 0) -> Path:
+    """A random XLMRobertaModel (XLMRobertaForSequenceClassification of `labels` labels) with a
+    SentencePiece-Unigram tokenizer (`xlmr_tokenizer`); positions after the padding index 1."""
+    import transformers as T
+
+    tok = xlmr_tokenizer(MAX_POSITIONS)
+    config = T.XLMRobertaConfig(vocab_size=len(tok), hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=64, initializer_range=0.2, max_position_embeddings=MAX_POSITIONS + 2,
+                                type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    if labels:
+        config.num_labels = labels
+    torch.manual_seed(seed)
+    folder = root / f"gguf-xlmr-{labels}-{seed}"
+    cls = T.XLMRobertaForSequenceClassification if labels else T.XLMRobertaModel
+    perturb(cls(config), seed).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def write_xlmr_gguf(folder: Path, out: Path) -> Path:
+    """The XLM-RoBERTa folder (a sentence-transformers one, or a cross-encoder) as llama.cpp's
+    converter writes it at --outtype f32 (its `XLMRobertaModel`: arch `bert`, the vocabulary from
+    tokenizer.json as `t5` pieces with scores and the charsmap, positions from padding_idx + 1 on,
+    the classifier as `cls` / `cls.output`)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    offset = config.pad_token_id + 1
+    w = gguf.GGUFWriter(str(out), "bert")
+    w.add_type("model")
+    w.add_name(folder.name)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings - offset)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_layer_norm_eps(config.layer_norm_eps)
+    w.add_file_type(0)
+    w.add_causal_attention(False)
+    if (folder / "modules.json").is_file():
+        modules = json.loads((folder / "modules.json").read_text())
+        pooling_path = next(m["path"] for m in modules if m["type"].endswith("Pooling"))
+        mode = json.loads((folder / pooling_path / "config.json").read_text())["pooling_mode"]
+        w.add_pooling_type(gguf.PoolingType(_POOLING[mode]))
+    labels = config.id2label if config.architectures[0].endswith("ForSequenceClassification") else None
+    if labels and not (len(labels) == 2 and labels[0] == "LABEL_0"):  # (the converter drops the dummy pair)
+        w.add_classifier_output_labels([v for _, v in sorted(labels.items())])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tok_json = json.loads((folder / "tokenizer.json").read_text())
+    added = tok.get_added_vocab()
+    tokens, scores, types = [], [], []
+    for i in range(tok.vocab_size):
+        tokens.append(tok.convert_ids_to_tokens(i))
+        scores.append(tok_json["model"]["vocab"][i][1])
+        types.append(gguf.TokenType.UNKNOWN if i == tok.unk_token_id else gguf.TokenType.CONTROL
+                     if i in tok.all_special_ids else gguf.TokenType.USER_DEFINED if i in added.values()
+                     else gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("t5")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_add_space_prefix(tok.add_prefix_space)
+    w.add_token_type_count(config.type_vocab_size)
+    w.add_remove_extra_whitespaces(tok.clean_up_tokenization_spaces)
+    w.add_precompiled_charsmap(base64.b64decode(tok_json["normalizer"]["precompiled_charsmap"]))
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_unk_token_id(tok.unk_token_id)
+    w.add_sep_token_id(tok.sep_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_mask_token_id(tok.mask_token_id)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_add_sep_token(True)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config.num_hidden_layers)
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        name = name.removeprefix("roberta.")
+        if name.startswith("pooler.") or name.endswith("position_ids"):
+            continue  # the converter drops the pooler
+        if name == "embeddings.position_embeddings.weight":
+            tensor = tensor[offset:]
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        w.add_tensor(gguf_name, tensor.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def xlmr_texts() -> list[str]:
+    """Multilingual texts, short and long (1 to ~150 tokens), and what the normalizer rewrites."""
+    long = " ".join(MULTILINGUAL[1:7])
+    return [*MULTILINGUAL[:6], "chat", long, "ＡＢＣ ﬁ ① Ⅻ E\u0301cole … ｶ\u3000猫", MULTILINGUAL[4] * 4,
+            "  der   Hund\tläuft\n über  ", "🙂 unknown ✓ signs", " ".join(MULTILINGUAL[:7])]
+
+
+def test_xlmr_gguf_equals_sentence_transformers(root):
+    """An XLM-RoBERTa embedding model (multilingual E5's shape) as the converter writes it (arch
+    bert, tokenizer t5): the tokenizer made from the file gives the folder's ids, the vectors equal
+    SentenceTransformer.encode (positions after the padding index)."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    from executor_svc.pooling import PoolingRunner
+    from pagoda import model_files
+    from pagoda.pooling_files import resolve_runner
+
+    folder = st_folder(xlmr_folder(root, seed=21), "mean", True)
+    model_dir = model_files.resolve_model(str(write_xlmr_gguf(folder, root / "xlmr.gguf")), weights=False)
+    assert resolve_runner(model_dir, "auto") == "pooling"
+    inputs = xlmr_texts()
+    reference_tok, tok = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(model_dir)
+    for text in [*inputs, "<s> a <mask> b </s>", ("le chat", "die Katze"), ("", "猫")]:
+        args = text if isinstance(text, tuple) else (text,)
+        assert tok(*args)["input_ids"] == reference_tok(*args)["input_ids"], text
+    assert max(len(tok(t)["input_ids"]) for t in inputs) > 100  # short and long mixed
+    assert reference_tok.unk_token_id in tok(inputs[-2])["input_ids"]  # (a character outside the vocabulary)
+    runner = PoolingRunner(model_dir)
+    spec = runner.spec
+    assert (spec.model_type, spec.pooling_mode, runner.max_model_len) == ("xlm-roberta", "mean", MAX_POSITIONS)
+    reference = SentenceTransformer(str(folder), device="cpu").encode(inputs, convert_to_numpy=True)
+    assert_vectors_equal(runner.run(pool_requests(tok, inputs, normalize=True)), reference)
+
+
+@pytest.mark.parametrize("labels", [1, 2])
+def test_xlmr_reranker_gguf_equals_cross_encoder(root, labels):
+    """A GGUF reranker (bge-reranker-v2-m3's shape: XLMRobertaForSequenceClassification, written with
+    cls / cls.output; two labels LABEL_0/LABEL_1 lose their names in the converter) is served as a
+    cross-encoder: its scores equal CrossEncoder.predict on the folder."""
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoTokenizer
+
+    from executor_svc.pooling import PoolingRunner
+    from pagoda import model_files
+    from pagoda.pooling_files import resolve_runner
+
+    folder = xlmr_folder(root, seed=22 + labels, labels=labels)
+    model_dir = model_files.resolve_model(str(write_xlmr_gguf(folder, root / f"rerank-{labels}.gguf")), weights=False)
+    assert resolve_runner(model_dir, "auto") == "pooling"
+    inputs = xlmr_texts()
+    pairs = [(inputs[i], inputs[-1 - i]) for i in range(len(inputs) // 2)] + [(inputs[1], inputs[2])]
+    reference = CrossEncoder(str(folder), device="cpu")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert [tok(*p)["input_ids"] for p in pairs] == [reference.tokenizer(*p)["input_ids"] for p in pairs]
+    runner = PoolingRunner(model_dir)
+    assert (runner.spec.task, runner.spec.num_labels) == ("classify", labels)
+    assert runner.spec.activation == ("sigmoid" if labels == 1 else "identity")
+    expected = np.asarray(reference.predict(pairs, convert_to_numpy=True), dtype=np.float32).reshape(len(pairs), labels)
+    out = np.asarray(runner.run(pool_requests(tok, pairs, task=pb.POOL_TASK_CLASSIFY)), dtype=np.float32)
+    assert np.abs(out - expected).max() <= 1e-4, np.abs(out - expected).max()
