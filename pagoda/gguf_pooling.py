@@ -55,7 +55,7 @@ ENCODER_ARCHITECTURES = ("bert",)
 POOLING_MODES = {1: "mean", 2: "cls", 3: "lasttoken"}
 _POOLING_NAMES = {0: "NONE", 1: "MEAN", 2: "CLS", 3: "LAST", 4: "RANK"}
 _RANK = 4  # gguf.PoolingType.RANK
-_CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6  # gguf.TokenType
+_CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 3, 4, 5, 6  # gguf.TokenType
 # an encoder file's tokenizer.ggml.model -> its transformers model_type (the converter writes
 # XLM-RoBERTa as `bert` with its SentencePiece vocabulary, "t5" in llama.cpp's names)
 _ENCODER_TOKENIZERS = {"bert": "bert", "t5": "xlm-roberta"}
@@ -313,6 +313,13 @@ def _xlmr_tokenizer(reader, max_length: int):
         raise PoolingError("tokenizer.ggml.tokens", "missing, or not one token type per token")
     if not scores or len(scores) != len(tokens):
         raise PoolingError("tokenizer.ggml.scores", "missing, or not one score per token")
+
+    mask_id = _field(reader, "tokenizer.ggml.mask_token_id")
+    if mask_id is not None and 0 <= int(mask_id) < len(tokens) and types[int(mask_id)] == _UNUSED:
+        # from a sentencepiece.bpe.model the converter leaves the id of the <mask> transformers
+        # appends to XLM-R's pieces as a "[PADn]" placeholder
+        tokens, types = list(tokens), list(types)
+        tokens[int(mask_id)], types[int(mask_id)] = "<mask>", _CONTROL
 
     def special(key: str) -> str:
         return _special(reader, tokens, key)

@@ -383,11 +383,13 @@ def xlmr_folder(root: Path, seed: int, labels: int = 0) -> Path:
     return folder
 
 
-def write_xlmr_gguf(folder: Path, out: Path) -> Path:
+def write_xlmr_gguf(folder: Path, out: Path, from_spm: bool = False) -> Path:
     """The XLM-RoBERTa folder (a sentence-transformers one, or a cross-encoder) as llama.cpp's
     converter writes it at --outtype f32 (its `XLMRobertaModel`: arch `bert`, the vocabulary from
     tokenizer.json as `t5` pieces with scores and the charsmap, positions from padding_idx + 1 on,
-    the classifier as `cls` / `cls.output`)."""
+    the classifier as `cls` / `cls.output`). `from_spm`: as from a folder's sentencepiece.bpe.model
+    (bge-m3's, multilingual E5's): <mask>, which the SentencePiece model lacks, left as an unused
+    "[PADn]", and remove_extra_whitespaces from its normalizer spec (true)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
@@ -418,6 +420,11 @@ def write_xlmr_gguf(folder: Path, out: Path) -> Path:
     added = tok.get_added_vocab()
     tokens, scores, types = [], [], []
     for i in range(tok.vocab_size):
+        if from_spm and i == tok.mask_token_id:
+            tokens.append(f"[PAD{i - 1}]")
+            scores.append(-10000.0)
+            types.append(gguf.TokenType.UNUSED)
+            continue
         tokens.append(tok.convert_ids_to_tokens(i))
         scores.append(tok_json["model"]["vocab"][i][1])
         types.append(gguf.TokenType.UNKNOWN if i == tok.unk_token_id else gguf.TokenType.CONTROL
@@ -430,7 +437,7 @@ def write_xlmr_gguf(folder: Path, out: Path) -> Path:
     w.add_token_types(types)
     w.add_add_space_prefix(tok.add_prefix_space)
     w.add_token_type_count(config.type_vocab_size)
-    w.add_remove_extra_whitespaces(tok.clean_up_tokenization_spaces)
+    w.add_remove_extra_whitespaces(True if from_spm else tok.clean_up_tokenization_spaces)
     w.add_precompiled_charsmap(base64.b64decode(tok_json["normalizer"]["precompiled_charsmap"]))
     w.add_bos_token_id(tok.bos_token_id)
     w.add_eos_token_id(tok.eos_token_id)
@@ -468,7 +475,8 @@ def xlmr_texts() -> list[str]:
 def test_xlmr_gguf_equals_sentence_transformers(root):
     """An XLM-RoBERTa embedding model (multilingual E5's shape) as the converter writes it (arch
     bert, tokenizer t5): the tokenizer made from the file gives the folder's ids, the vectors equal
-    SentenceTransformer.encode (positions after the padding index)."""
+    SentenceTransformer.encode (positions after the padding index). The file is written as from a
+    sentencepiece.bpe.model (the reranker tests' from tokenizer.json): <mask> is still <mask>."""
     from sentence_transformers import SentenceTransformer
     from transformers import AutoTokenizer
 
@@ -477,7 +485,8 @@ def test_xlmr_gguf_equals_sentence_transformers(root):
     from pagoda.pooling_files import resolve_runner
 
     folder = st_folder(xlmr_folder(root, seed=21), "mean", True)
-    model_dir = model_files.resolve_model(str(write_xlmr_gguf(folder, root / "xlmr.gguf")), weights=False)
+    model_dir = model_files.resolve_model(str(write_xlmr_gguf(folder, root / "xlmr.gguf", from_spm=True)),
+                                          weights=False)
     assert resolve_runner(model_dir, "auto") == "pooling"
     inputs = xlmr_texts()
     reference_tok, tok = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(model_dir)
