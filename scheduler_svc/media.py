@@ -271,8 +271,11 @@ class ImagePrompts:
 
     def expand(self, ids: list[int], images: list, max_tokens: int | None, field: str):
         """(token ids, ImageInputs) of a prompt tokenized elsewhere with one `anchor` an image (a router's
-        `media_refs`), as vLLM's processor takes a tokenized prompt: each anchor becomes the tokens the
-        processor makes of it with its image, the rest of the ids stay as they are."""
+        `media_refs`). When the ids are what their text tokenizes to (a router that rendered and tokenized
+        the chat as Pagoda does), the processor runs on that text: the prompt a chat with these images
+        gets here (the tokens around an image may merge: Gemma 3's "\n\n" after one). Other ids are
+        expanded as vLLM's processor expands a tokenized prompt: each anchor becomes the tokens the
+        processor makes of it with its image, the rest of the ids as they are."""
         import torch
 
         from pagoda.images import image_inputs
@@ -282,6 +285,10 @@ class ImagePrompts:
         if len(positions) != len(images):
             raise InvalidArgument(field, f"{len(positions)} image placeholders ({self.anchor!r}, id {anchor_id}) for "
                                          f"{len(images)} images: one a media item, unexpanded")
+        tokenizer = self.processor.tokenizer
+        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if tokenizer(text, add_special_tokens=False)["input_ids"] == list(ids):
+            return self.prompt(text, images, max_tokens, field)
         out, tensors, lengths, start = [], {}, [], 0
         for position, image in zip(positions, images):
             features = self.processor(text=[self.anchor], images=[image], add_special_tokens=False, return_tensors="pt")

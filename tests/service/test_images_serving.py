@@ -346,6 +346,27 @@ def test_tokenize_of_a_chat_with_images_is_the_processors_ids_generate_runs(svc,
     assert err.value.details().startswith("chat.messages[0].parts[0].image: ") and "supported format" in err.value.details()
 
 
+def test_messages_count_tokens_with_an_image_is_the_prompt_generate_runs(svc):
+    """Anthropic's count_tokens of a message with an image block: the gateway's Tokenize now takes images."""
+    import httpx2 as httpx
+
+    from tests.gateway.gateway import Gateway
+
+    generated = collect(svc.stub.Generate(image_chat([encoded(TALL), "What is this?"]), timeout=300))
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(encoded(TALL)).decode()}}
+    with Gateway(f"127.0.0.1:{svc.port}") as gateway:
+        reply = httpx.post(f"{gateway.url}/v1/messages/count_tokens", timeout=120, json={
+            "model": "any", "messages": [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["input_tokens"] == generated["last"].usage.prompt_tokens
+        # bytes that are no image: refused (400, the scheduler naming the part) as Generate refuses them
+        image["source"]["data"] = base64.b64encode(b"not an image at all").decode()
+        bad = httpx.post(f"{gateway.url}/v1/messages/count_tokens", timeout=120, json={
+            "model": "any", "messages": [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]})
+        assert bad.status_code == 400 and "not an image" in bad.text, bad.text
+
+
 def test_a_text_only_model_refuses_images(default_model_dir):
     from scheduler_svc.errors import InvalidArgument
     from scheduler_svc.prompts import PromptWorker
@@ -428,8 +449,10 @@ def test_qwen2_5_vl_prompts_are_what_its_processor_gives(tmp_path, default_model
     worker = PromptWorker(scheduler_tokenizer, read_model_spec(tmp_path, scheduler_tokenizer), 512, model_dir=tmp_path)
     try:
         params = asyncio.run(worker.generate_params(image_chat(["Look: ", encoded(WIDE), encoded(TALL), " which?"])))
+        routed = routed_prompts(worker, tokenizer, ["Look: ", WIDE, TALL, " which?"])
     finally:
         worker.close()
+    assert routed == [(params.prompt_token_ids, params.images)] * 2
     before = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image"}]}],
                                            tokenize=False).removesuffix("<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n")
     wide = qwen_inputs(tokenizer, images, config, before, WIDE, "")
@@ -444,3 +467,53 @@ def test_qwen2_5_vl_prompts_are_what_its_processor_gives(tmp_path, default_model
         tensors = {t.name: t.to_torch() for t in got.tensors}
         assert torch.equal(tensors["pixel_values"], inputs["pixel_values"])
         assert torch.equal(tensors["image_grid_thw"], inputs["image_grid_thw"])
+
+
+def routed_prompts(worker, tokenizer, parts) -> list:
+    """(ids, ImageInputs) of a user message of `parts` (str, PIL images) as a router sends it: tokenized with one
+    placeholder an image (media_refs, expanded by the processor), and expanded with the processor's pixels (mm_inputs)."""
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts]
+    pictures = [p for p in parts if not isinstance(p, str)]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True, add_generation_prompt=True,
+                                        return_dict=False)
+    images = worker.images
+    expanded, refs = images.expand(ids, pictures, 511, "tokenized.input_ids")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    features = images.processor(text=[text], images=pictures, add_special_tokens=False, return_tensors="pt")
+    tensors = {k: v for k, v in features.items() if k in ("pixel_values", "image_grid_thw")}
+    full = features["input_ids"][0].tolist()
+    ranges = [(i.offset, i.length) for i in refs]
+    return [(expanded, refs), images.preprocessed(full, tensors, ranges, 511, "mm_inputs")]
+
+
+def test_gemma3_router_prompts_are_the_chat_paths(gemma3):
+    """Gemma 3's placeholder is `<start_of_image>`: a router's tokenized prompt with one an image, expanded by the
+    processor (media_refs), or its expanded ids and pixels (mm_inputs), is the prompt a chat with the image gives."""
+    from scheduler_svc.prompts import PromptWorker
+    from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
+
+    folder, processor, _ = gemma3
+    tokenizer = load_tokenizer(folder)
+    worker = PromptWorker(tokenizer, read_model_spec(folder, tokenizer), 512, model_dir=folder)
+    try:
+        for parts in (["Look at this", WIDE, "?"], [TALL, "and", WIDE, "which?"]):
+            chat = image_chat([encoded(p) if isinstance(p, Image.Image) else p for p in parts])
+            params = asyncio.run(worker.generate_params(chat))
+            assert routed_prompts(worker, processor.tokenizer, parts) == [(params.prompt_token_ids, params.images)] * 2
+        # ids that are not what their text tokenizes to ("this" split in two) keep theirs: each anchor expanded alone
+        content = [{"type": "text", "text": "Look at this"}, {"type": "image"}, {"type": "text", "text": "?"}]
+        ids = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
+                                                      add_generation_prompt=True, return_dict=False)
+        this = processor.tokenizer.convert_tokens_to_ids("Ġthis")
+        split = processor.tokenizer.convert_tokens_to_ids(["Ġth", "is"])
+        at = ids.index(this)
+        odd = ids[:at] + split + ids[at + 1:]
+        expanded, images = worker.images.expand(odd, [WIDE], 511, "tokenized.input_ids")
+        anchor = odd.index(processor.tokenizer.boi_token_id)
+        fragment = processor.tokenizer(processor.full_image_sequence, add_special_tokens=False)["input_ids"]
+        assert expanded == odd[:anchor] + fragment + odd[anchor + 1:]
+        chat = asyncio.run(worker.generate_params(image_chat(["Look at this", encoded(WIDE), "?"]))).images
+        assert [i.tensors for i in images] == [i.tensors for i in chat] and images[0].offset == expanded.index(
+            processor.tokenizer.image_token_id)
+    finally:
+        worker.close()
