@@ -89,22 +89,27 @@ def check_parts(chat, field: str, media: MediaConfig) -> None:
             if kind != "image":
                 continue
             num_images += 1
-            name = f"{field}.messages[{i}].parts[{j}].image"
-            if num_images > media.limit_images:
-                raise InvalidArgument(name, f"more than {media.limit_images} images in one prompt (--limit-mm-per-prompt image=N)")
-            image = part.image
-            if image.data and image.url:
-                raise InvalidArgument(name, "one of data or url, not both")
-            if not image.data and not image.url:
-                raise InvalidArgument(name, "one of data or url is required")
-            if image.data:
-                if len(image.data) > MAX_IMAGE_BYTES:
-                    raise InvalidArgument(name, f"{len(image.data)} bytes, more than {MAX_IMAGE_BYTES}")
-            elif image.url.startswith("data:"):
-                if len(image.url) > MAX_IMAGE_BYTES * 4 // 3 + 256:
-                    raise InvalidArgument(name, f"a data: URL of {len(image.url)} characters, more than {MAX_IMAGE_BYTES} bytes hold")
-            else:
-                check_url(image.url, f"{name}.url", media.allowed_domains)
+            check_image(part.image, f"{field}.messages[{i}].parts[{j}].image", num_images, media)
+
+
+def check_image(image, name: str, number: int, media: MediaConfig, url_field: str | None = None) -> None:
+    """The checks of the `number`th image of a prompt (a `pb.Image`) that need no decoding; InvalidArgument
+    naming `name` (its url: `url_field`, by default `name.url`)."""
+    url_field = url_field or f"{name}.url"
+    if number > media.limit_images:
+        raise InvalidArgument(name, f"more than {media.limit_images} images in one prompt (--limit-mm-per-prompt image=N)")
+    if image.data and image.url:
+        raise InvalidArgument(name, "one of data or url, not both")
+    if not image.data and not image.url:
+        raise InvalidArgument(name, "one of data or url is required")
+    if image.data:
+        if len(image.data) > MAX_IMAGE_BYTES:
+            raise InvalidArgument(name, f"{len(image.data)} bytes, more than {MAX_IMAGE_BYTES}")
+    elif image.url.startswith("data:"):
+        if len(image.url) > MAX_IMAGE_BYTES * 4 // 3 + 256:
+            raise InvalidArgument(name, f"a data: URL of {len(image.url)} characters, more than {MAX_IMAGE_BYTES} bytes hold")
+    else:
+        check_url(image.url, url_field, media.allowed_domains)
 
 
 def _allowed(host: str, domains) -> bool:
@@ -156,18 +161,19 @@ def fetch_image(url: str, field: str, domains, timeout: float = FETCH_TIMEOUT_S)
     return b"".join(chunks)
 
 
-def image_bytes(image, name: str, domains=()) -> bytes:
+def image_bytes(image, name: str, domains=(), url_field: str | None = None) -> bytes:
+    url_field = url_field or f"{name}.url"
     if image.data:
         return image.data
     if not image.url.startswith("data:"):
-        return fetch_image(image.url, f"{name}.url", domains)
+        return fetch_image(image.url, url_field, domains)
     header, sep, payload = image.url.partition(",")
     if not sep or not header.endswith(";base64"):
-        raise InvalidArgument(f"{name}.url", "a data: URL must be data:<type>;base64,<payload>")
+        raise InvalidArgument(url_field, "a data: URL must be data:<type>;base64,<payload>")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise InvalidArgument(f"{name}.url", f"not base64: {exc}") from None
+        raise InvalidArgument(url_field, f"not base64: {exc}") from None
 
 
 def decode_image(data: bytes, name: str):
@@ -236,14 +242,14 @@ class ImagePrompts:
             return None
         return cls(processor, int(token_id))
 
-    def prompt(self, text: str, images: list, max_tokens: int | None):
+    def prompt(self, text: str, images: list, max_tokens: int | None, field: str = "prompt.chat"):
         """(token ids, ImageInputs) of the rendered chat `text` with its decoded `images`."""
         from pagoda.images import image_inputs
 
         features = self.processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
         ids = features["input_ids"][0].tolist()
         if max_tokens is not None and len(ids) > max_tokens:
-            raise InvalidArgument("prompt.chat", f"{len(ids)} tokens (its images' included) leave no room to generate "
+            raise InvalidArgument(field, f"{len(ids)} tokens (its images' included) leave no room to generate "
                                                  f"within {max_tokens + 1} tokens (max_model_len)")
         lengths = None
         counts = getattr(self.processor, "_get_num_multimodal_tokens", None)
@@ -253,6 +259,152 @@ class ImagePrompts:
             except Exception:  # (a processor without the counts for images)
                 lengths = None
         return ids, image_inputs(ids, features, self.image_token_id, lengths=lengths)
+
+    @property
+    def anchor(self) -> str:
+        """What a chat template writes for one image and the processor expands (`<image>`, Gemma 3's
+        `<start_of_image>`, Qwen's `<|image_pad|>`): the placeholder of a prompt tokenized elsewhere."""
+        return self.processor.image_token
+
+    def anchor_id(self) -> int:
+        return int(self.processor.tokenizer.convert_tokens_to_ids(self.anchor))
+
+    def expand(self, ids: list[int], images: list, max_tokens: int | None, field: str):
+        """(token ids, ImageInputs) of a prompt tokenized elsewhere with one `anchor` an image (a router's
+        `media_refs`). When the ids are what their text tokenizes to (a router that rendered and tokenized
+        the chat as Pagoda does), the processor runs on that text: the prompt a chat with these images
+        gets here (the tokens around an image may merge: Gemma 3's "\n\n" after one). Other ids are
+        expanded as vLLM's processor expands a tokenized prompt: each anchor becomes the tokens the
+        processor makes of it with its image, the rest of the ids as they are."""
+        import torch
+
+        from pagoda.images import image_inputs
+
+        anchor_id = self.anchor_id()
+        positions = [k for k, token in enumerate(ids) if token == anchor_id]
+        if len(positions) != len(images):
+            raise InvalidArgument(field, f"{len(positions)} image placeholders ({self.anchor!r}, id {anchor_id}) for "
+                                         f"{len(images)} images: one a media item, unexpanded")
+        tokenizer = self.processor.tokenizer
+        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if tokenizer(text, add_special_tokens=False)["input_ids"] == list(ids):
+            return self.prompt(text, images, max_tokens, field)
+        out, tensors, lengths, start = [], {}, [], 0
+        for position, image in zip(positions, images):
+            features = self.processor(text=[self.anchor], images=[image], add_special_tokens=False, return_tensors="pt")
+            fragment = features["input_ids"][0].tolist()
+            out += ids[start:position] + fragment
+            start = position + 1
+            lengths.append(fragment.count(self.image_token_id))
+            for key, value in features.items():
+                if key not in ("input_ids", "attention_mask", "token_type_ids"):
+                    tensors.setdefault(key, []).append(value)
+        out += ids[start:]
+        if max_tokens is not None and len(out) > max_tokens:
+            raise InvalidArgument(field, f"{len(out)} tokens (its images' included) leave no room to generate "
+                                         f"within {max_tokens + 1} tokens (max_model_len)")
+        merged = {key: torch.cat(values) for key, values in tensors.items()}
+        return out, image_inputs(out, merged, self.image_token_id, lengths=lengths)
+
+    def reference(self) -> dict:
+        """What the processor gives for one image: each tensor's shape and dtype (pixel_values' shape
+        per image, or per patch with a grid), and the image tokens of a fixed-size image."""
+        if getattr(self, "_reference", None) is None:
+            from PIL import Image
+
+            features = self.processor(text=[self.anchor], images=[Image.new("RGB", (64, 48))], add_special_tokens=False,
+                                      return_tensors="pt")
+            self._reference = {
+                "shapes": {k: tuple(v.shape) for k, v in features.items() if k not in ("input_ids", "attention_mask",
+                                                                                        "token_type_ids")},
+                "tokens": features["input_ids"][0].tolist().count(self.image_token_id),
+            }
+        return self._reference
+
+    def preprocessed(self, ids: list[int], tensors: dict, placeholders: list[tuple[int, int]], max_tokens: int | None,
+                     field: str, limit_images: int = DEFAULT_LIMIT_IMAGES):
+        """(token ids, ImageInputs) of a prompt a router expanded itself, with the pixels it made (vLLM's
+        `mm_inputs`): `tensors` by the processor's names (torch tensors), `placeholders` (offset, length) a
+        range of ids an image. Every shape is held to what this model's processor gives: the pixels of
+        each image (or, with a grid, of its patches), one run of `image_token_id` an image, as long as
+        its encoder output, inside its range. InvalidArgument naming `field`.<tensor or placeholder> else."""
+        import torch
+
+        from pagoda.images import image_inputs
+
+        reference = self.reference()
+        pixels = tensors.get("pixel_values")
+        if pixels is None:
+            raise InvalidArgument(f"{field}.pixel_values", "is required (pixel-less inputs need a KV transfer, not served)")
+        if pixels.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise InvalidArgument(f"{field}.pixel_values", f"dtype {str(pixels.dtype).removeprefix('torch.')}: expected "
+                                                           f"float32, float16 or bfloat16")
+        num = len(placeholders)
+        if num == 0:
+            raise InvalidArgument(f"{field}.mm_placeholders", "one range an image is required")
+        if num > limit_images:
+            raise InvalidArgument(f"{field}.mm_placeholders", f"{num} images, more than {limit_images} "
+                                                              f"(--limit-mm-per-prompt image=N)")
+        per_image = reference["shapes"]["pixel_values"][1:]
+        grids = tensors.get("image_grid_thw")
+        features = {"pixel_values": pixels.to(torch.float32)}
+        if "image_grid_thw" in reference["shapes"]:  # Qwen2.5-VL: patches on dim 0, each image's (t, h, w)
+            if grids is None:
+                raise InvalidArgument(f"{field}.model_specific_tensors", "image_grid_thw is required for this model")
+            if grids.is_floating_point() or tuple(grids.shape) != (num, 3):
+                raise InvalidArgument(f"{field}.model_specific_tensors[image_grid_thw]",
+                                      f"expected integers of shape [{num}, 3], got {str(grids.dtype).removeprefix('torch.')} "
+                                      f"{list(grids.shape)}")
+            grids = grids.to(torch.int64)
+            merge = self.processor.image_processor.merge_size
+            max_rows = getattr(self.processor.image_processor, "max_pixels", None)
+            patch = self.processor.image_processor.patch_size
+            for i, (t, h, w) in enumerate(grids.tolist()):
+                if t != 1 or h <= 0 or w <= 0 or h % merge or w % merge:
+                    raise InvalidArgument(f"{field}.model_specific_tensors[image_grid_thw]",
+                                          f"image {i}: (t, h, w) = ({t}, {h}, {w}): t must be 1, h and w positive "
+                                          f"multiples of {merge}")
+                if max_rows is not None and h * w * patch * patch > max_rows:
+                    raise InvalidArgument(f"{field}.model_specific_tensors[image_grid_thw]",
+                                          f"image {i}: {h * w} patches, more than the processor's max_pixels allow")
+            rows = int(grids.prod(-1).sum())
+            if tuple(pixels.shape) != (rows, *per_image):
+                raise InvalidArgument(f"{field}.pixel_values", f"shape {list(pixels.shape)}: expected {[rows, *per_image]} "
+                                                               f"(the grids' patches)")
+            expected = (grids.prod(-1) // merge**2).tolist()
+            features["image_grid_thw"] = grids
+        else:
+            if tuple(pixels.shape) != (num, *per_image):
+                raise InvalidArgument(f"{field}.pixel_values", f"shape {list(pixels.shape)}: expected {[num, *per_image]} "
+                                                               f"(one image a placeholder range, as this model's processor "
+                                                               f"makes them)")
+            expected = [reference["tokens"]] * num
+            if "image_sizes" in reference["shapes"]:
+                sizes = tensors.get("image_sizes")
+                if sizes is None or sizes.is_floating_point() or tuple(sizes.shape) != (num, 2):
+                    raise InvalidArgument(f"{field}.model_specific_tensors[image_sizes]", f"integers of shape [{num}, 2] "
+                                                                                         f"are required")
+                features["image_sizes"] = sizes.to(torch.int64)
+        if not torch.isfinite(features["pixel_values"]).all():
+            raise InvalidArgument(f"{field}.pixel_values", "has values that are not finite")
+        end = 0
+        for i, (offset, length) in enumerate(placeholders):
+            name = f"{field}.mm_placeholders[{i}]"
+            if offset < end or offset + length > len(ids):
+                raise InvalidArgument(name, f"offset {offset}, length {length}: outside the prompt's {len(ids)} tokens "
+                                            f"or before the previous range's end")
+            run = [k for k in range(offset, offset + length) if ids[k] == self.image_token_id]
+            if len(run) != expected[i] or (run and run[-1] - run[0] + 1 != len(run)):
+                raise InvalidArgument(name, f"holds {len(run)} image tokens (id {self.image_token_id}), expected one run "
+                                            f"of {expected[i]}")
+            end = offset + length
+        if ids.count(self.image_token_id) != sum(expected):
+            raise InvalidArgument(f"{field}.mm_placeholders", f"the prompt has {ids.count(self.image_token_id)} image "
+                                                              f"tokens (id {self.image_token_id}), its ranges {sum(expected)}")
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise InvalidArgument(field, f"{len(ids)} tokens (its images' included) leave no room to generate "
+                                         f"within {max_tokens + 1} tokens (max_model_len)")
+        return list(ids), image_inputs(ids, features, self.image_token_id, lengths=expected)
 
 
 class QwenVLProcessor:

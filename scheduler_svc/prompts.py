@@ -147,20 +147,35 @@ class PromptWorker:
         return dataclasses.replace(build_params(req, sampling, ids, self.spec, self.max_model_len), images=images)
 
     def _image_prompt(self, req: pb.GenerateRequest):
+        return self._chat_images(req.chat, "prompt.chat", True, self.max_model_len - 1)
+
+    def _chat_images(self, chat: pb.Chat, field: str, add_generation_prompt: bool, max_tokens: int):
+        """(token ids, ImageInputs) of a chat with images: each decoded, the template rendered, the processor run."""
         pictures = []
-        for i, j, image in image_parts(req.chat):
-            name = f"prompt.chat.messages[{i}].parts[{j}].image"
+        for i, j, image in image_parts(chat):
+            name = f"{field}.messages[{i}].parts[{j}].image"
             pictures.append(decode_image(image_bytes(image, name, self.media.allowed_domains), name))
-        text = chat_text(req.chat, self.tokenizer, "prompt.chat")
-        return self.images.prompt(text, pictures, self.max_model_len - 1)
+        text = chat_text(chat, self.tokenizer, field, add_generation_prompt)
+        return self.images.prompt(text, pictures, max_tokens, field)
+
+    async def token_media_params(self, req: pb.GenerateRequest, media) -> GenerateParams:
+        """A token-ids prompt with its images given beside it (`vllm.grpc.engine`'s media_refs or mm_inputs,
+        `scheduler_svc.vllm_engine.media`): the cheap checks on the loop, then on the threads the images
+        fetched, decoded and run through the processor (or the router's pixels checked) and the ids expanded."""
+        if self.images is None:
+            raise InvalidArgument(media.field, "this model takes no images (a text-only model, or its folder has no processor)")
+        media.check(self.media)
+        sampling = check_fields(req, self.spec, self.max_model_len)
+        ids = prompt_token_ids(req, self.tokenizer, self.spec.vocab_size)  # token ids: no tokenizing
+        ids, images = await self._run(media.prompt, self.images, ids, self.max_model_len - 1, self.media)
+        return dataclasses.replace(build_params(req, sampling, ids, self.spec, self.max_model_len), images=images)
 
     async def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
         self._check_tokenize_chars(req)
         if req.WhichOneof("prompt") == "chat":
             check_parts(req.chat, "chat", self.media)
             if has_images(req):
-                i, j, _ = image_parts(req.chat)[0]
-                raise InvalidArgument(f"chat.messages[{i}].parts[{j}].image", "Tokenize does not take images yet")
+                return await self._image_tokenize(req)
         if self._offload(req):
             size, count, data = await self._child.run(_child_tokenize, req.SerializeToString(), self.tokenize_max_tokens)
             reply = None if size > MAX_REPLY_BYTES else await self._run(pb.TokenizeResponse.FromString, data)
@@ -173,6 +188,17 @@ class PromptWorker:
                 f"by default ({count} tokens): send shorter text"
             )
         return reply
+
+    async def _image_tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """A chat with images: the ids Generate gives the model (each image's placeholder expanded by the
+        processor), with Generate's checks of the images."""
+        if self.images is None:
+            i, j, _ = image_parts(req.chat)[0]
+            raise InvalidArgument(f"chat.messages[{i}].parts[{j}].image",
+                                  "this model takes no images (a text-only model, or its folder has no processor)")
+        add = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
+        ids, _ = await self._run(self._chat_images, req.chat, "chat", add, self.tokenize_max_tokens)
+        return pb.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
 
     def _check_tokenize_chars(self, req: pb.TokenizeRequest) -> None:
         """Characters first: a text that even at `spec.max_token_chars` a token has more tokens

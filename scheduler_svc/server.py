@@ -69,11 +69,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.prompts = PromptWorker(engine.tokenizer, spec, engine.config.max_model_len, model_dir=model_dir, media=media)
         self.constraints = ConstraintChecker(model_dir or engine.tokenizer.name_or_path)
 
-    async def submit(self, request: pb.GenerateRequest) -> tuple[GenerateParams, ClientStream]:
+    async def submit(self, request: pb.GenerateRequest, media=None) -> tuple[GenerateParams, ClientStream]:
         """Check the caller's share, validate and tokenize `request`, check its constraint compiles,
         then submit it under the caller's tenant; ServiceError (naming the field) before any work otherwise.
 
-        The one admission path of both APIs (`vllm.grpc.engine` translates its requests to ours first).
+        The one admission path of both APIs (`vllm.grpc.engine` translates its requests to ours first;
+        `media`: its images beside the token ids, `scheduler_svc.vllm_engine.media`).
         """
         if self.pooling is not None:
             raise InvalidArgument("model", f"{self.model_name!r} is a pooling model (--runner pooling): it serves Embed "
@@ -81,7 +82,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.engine.check_admission()  # the tenant's share and the queue, before any work
         parser = self._reasoning_parser(request)
         lora = await self._adapter(request.model)
-        params = await self.prompts.generate_params(request)
+        if media is not None:
+            params = await self.prompts.token_media_params(request, media)
+        else:
+            params = await self.prompts.generate_params(request)
         if lora:
             params = dataclasses.replace(params, lora=lora)
         if parser is not None:

@@ -18,8 +18,8 @@ def _perturb_and_save(model, processor, out_dir):
     return processor, model.eval()
 
 
-def tiny_llava(default_model_dir, out_dir, chat_template: str | None = None):
-    """A tiny LLaVA: 32 px images, 8 px patches, 16 image tokens."""
+def tiny_llava(default_model_dir, out_dir, chat_template: str | None = None, image_size: int = 32, patch_size: int = 8):
+    """A tiny LLaVA: 32 px images, 8 px patches, 16 image tokens (by default)."""
     import transformers as T
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -27,15 +27,16 @@ def tiny_llava(default_model_dir, out_dir, chat_template: str | None = None):
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tokenizer.chat_template = chat_template
     processor = T.LlavaProcessor(
-        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
-        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                                              crop_size={"height": image_size, "width": image_size}),
+        tokenizer=tokenizer, patch_size=patch_size, vision_feature_select_strategy="default", num_additional_image_tokens=1,
         chat_template=chat_template,
     )
     text = T.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
                          tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                image_size=32, patch_size=8, projection_dim=32)
+                                image_size=image_size, patch_size=patch_size, projection_dim=32)
     config = T.LlavaConfig(text_config=text, vision_config=vision, image_token_id=processor.image_token_id,
                            vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu")
     torch.manual_seed(0)

@@ -20,8 +20,8 @@ Stop strings are matched on the detokenized text, as in vLLM, and end the reques
 "stop" and `matched_stop_str`; the token that completed the match is in the output ids (the
 router trims the text). The router detokenizes: the response carries token ids only.
 
-What Pagoda cannot do is refused before any work, naming the field: multimodal inputs,
-prefill/decode KV transfer, `prompt_logprobs`, `logprobs = -1` (all tokens), a data-parallel
+Images (`media_refs`, `mm_inputs`) are read by `media.py`. What Pagoda cannot do is refused
+before any work, naming the field: prefill/decode KV transfer, `prompt_logprobs`, `logprobs = -1` (all tokens), a data-parallel
 rank other than 0 (the scheduler is one rank; it balances its executors itself). The
 `constraint` oneof is Pagoda's structured output (`constraint_for`), and where it starts follows
 the engine's reasoning parser as vLLM's does (`grammar_start`). Accepted
@@ -161,11 +161,6 @@ def constraint_for(params: vpb.SamplingParams) -> pb.Constraint | None:
 
 
 def _refuse_unserved(req: vpb.GenerateRequest) -> None:
-    if req.HasField("mm_inputs") or req.extra_mm_inputs:
-        field = "mm_inputs" if req.HasField("mm_inputs") else "extra_mm_inputs"
-        raise Unimplemented(field, "this engine serves text models only (no multimodal inputs)")
-    if req.HasField("media_refs"):
-        raise Unimplemented("media_refs", "this engine serves text models only (no media)")
     if req.HasField("kv_transfer_params"):
         raise Unimplemented("kv_transfer_params", "no prefill/decode disaggregation (no KV connector)")
     if req.HasField("kv_transfer_params_json"):

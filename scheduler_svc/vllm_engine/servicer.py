@@ -8,12 +8,14 @@ TLS and message limits (the server's interceptor and options cover both), so SMG
 
     Generate           tokenized (or text) input -> chunks / completes (responses.py), as
                        Pagoda's Generate runs it: same validation, tokenizer threads, tenant
-                       salt, engine.submit; a cancelled call aborts the request
+                       salt, engine.submit; a cancelled call aborts the request. Images:
+                       media_refs or mm_inputs beside tokenized input (media.py)
     Abort              engine.abort per id (idempotent)
     HealthCheck        healthy while an executor serves and the scheduler is not draining
     GetModelInfo       the model's facts; tokenizer_path is the scheduler's own directory
     GetServerInfo      block_size, kv_cache_dtype "auto", max_num_seqs over all executors, the
-                       reasoning parser and where a constraint starts (requests.grammar_start), ...
+                       reasoning parser and where a constraint starts (requests.grammar_start), a
+                       vision-language model's mm_processor "inprocess" (media_refs taken), ...
     GetLoads           one SchedulerLoad (rank 0) from loads.py
     GetTokenizer       the tokenizer files as SMG's zip bundle, 64 KiB chunks, sha256 on the last
     FlushCache         empty every executor's prefix cache once the scheduler is idle (admin keys only)
@@ -51,6 +53,7 @@ from scheduler_svc.tokenizer import ModelSpec
 from scheduler_svc.validation import GenerateParams
 from scheduler_svc.vllm_engine.kv_events import FellBehind, KvEventHub, OutOfRange
 from scheduler_svc.vllm_engine.loads import LoadReader
+from scheduler_svc.vllm_engine.media import media_ref_schemes, request_media
 from scheduler_svc.vllm_engine.requests import constrained_decoding_start, to_pagoda_request, vllm_field_error
 from scheduler_svc.vllm_engine.responses import ResponseTranslator
 
@@ -61,7 +64,7 @@ class Admission(Protocol):
     """pagoda.v1's admission (`scheduler_svc.server.GenerationServicer.submit`): validation,
     tokenization, the constraint's compile check and the tenant's cache salt, then `engine.submit`."""
 
-    async def submit(self, request: pb.GenerateRequest) -> tuple[GenerateParams, ClientStream]: ...
+    async def submit(self, request: pb.GenerateRequest, media=None) -> tuple[GenerateParams, ClientStream]: ...
 
     async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse: ...
 
@@ -99,8 +102,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.last_receive_time = time.time()
         max_model_len = self.engine.config.max_model_len
         try:
+            media = request_media(request)  # the images (media_refs or mm_inputs), checked before the rest
             params, stream = await self.admission.submit(
-                to_pagoda_request(request, max_model_len, self.admission.reasoning_parser)
+                to_pagoda_request(request, max_model_len, self.admission.reasoning_parser), media
             )
         except ServiceError as exc:
             exc = vllm_field_error(exc, request)
@@ -168,7 +172,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             is_generation=self.engine.config.runner == "generate",
             max_context_length=max_model_len,
             vocab_size=spec.vocab_size,
-            supports_vision=False,
+            supports_vision=self._images() is not None,
             served_model_name=self.model_name,
             tokenizer_path=str(self.model_dir or ""),
             model_type=str(config.get("model_type", "")),
@@ -194,7 +198,22 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             max_num_seqs=engine.config.max_num_seqs * len(engine.pool.alive),
             engine_reasoning_parser=self.admission.reasoning_parser,
             constrained_decoding_start=constrained_decoding_start(self.admission.reasoning_parser),
+            **self._media_facts(),
         )
+
+    def _images(self):
+        """The model's processor (`media.ImagePrompts`; None: a text model, or no processor in its folder)."""
+        prompts = getattr(self.admission, "prompts", None)
+        return getattr(prompts, "images", None)
+
+    def _media_facts(self) -> dict:
+        """A vision-language model's images: processed here from the router's media_refs (so SMG's
+        auto mode sends them, not pixels of its own), the schemes fetched and the image limit."""
+        if self._images() is None:
+            return {}
+        media = self.admission.prompts.media
+        return {"mm_processor": "inprocess", "mm_processor_source": "default",
+                "mm_media_ref_schemes": media_ref_schemes(media), "mm_item_limits": f"image={media.limit_images}"}
 
     async def GetLoads(self, request: vpb.GetLoadsRequest, context) -> vpb.GetLoadsResponse:
         if request.HasField("dp_rank") and request.dp_rank != 0:

@@ -64,9 +64,11 @@ WIDE, TALL = draw(48, 30, (200, 30, 60)), draw(22, 40, (20, 160, 220))
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory, default_model_dir):
-    """(folder, processor, transformers' model) of a tiny LLaVA (tests/vision_models.py), its chat template TEMPLATE."""
-    out_dir = tmp_path_factory.mktemp("llava")
-    return out_dir, *tiny_llava(default_model_dir, out_dir, TEMPLATE)
+    """(folder, processor, transformers' model) of a tiny LLaVA (tests/vision_models.py), its chat template TEMPLATE:
+    28 px images of 14 px patches (4 image tokens) in a folder named llava-v1.5-..., which is what SMG's router
+    takes for LLaVA-1.5 and preprocesses itself (its processor assumes 14 px patches)."""
+    out_dir = tmp_path_factory.mktemp("llava-v1.5-tiny")
+    return out_dir, *tiny_llava(default_model_dir, out_dir, TEMPLATE, image_size=28, patch_size=14)
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +165,208 @@ def test_content_and_parts_together_are_refused_and_the_service_keeps_serving(sv
     assert all(e.num_free_blocks == e.num_total_blocks for e in info.executors)
 
 
+# ---- vllm.grpc.engine.VllmEngine (what SMG's router sends) and Tokenize ----------------------------
+
+
+def vllm_request(ids, **fields):
+    """A greedy VllmEngine request of tokenized `ids` (the router's form) and its images (`fields`)."""
+    from smg_grpc_proto import vllm_engine_pb2 as vpb
+
+    sampling = vpb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return vpb.GenerateRequest(request_id="", tokenized=vpb.TokenizedInput(input_ids=ids), sampling_params=sampling,
+                               stream=False, **fields)
+
+
+def vllm_generate(svc, req) -> list[int]:
+    from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+
+    replies = list(vpb_grpc.VllmEngineStub(svc.channel).Generate(req, timeout=300))
+    return list(replies[-1].complete.output_ids)
+
+
+def router_ids(llava, images, question: str) -> list[int]:
+    """The chat as SMG renders and tokenizes it for media_refs: one `<image>` an image, unexpanded."""
+    content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
+    return llava[1].tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False)
+
+
+def router_pixels(llava, images, question: str, dtype=torch.float32):
+    """What SMG sends after running an image processor itself: expanded ids and the pixels as raw tensors."""
+    from smg_grpc_proto import vllm_engine_pb2 as vpb
+
+    from pagoda.images import placeholder_spans
+
+    processor = llava[1]
+    content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                   add_generation_prompt=True)
+    inputs = processor(text=[text], images=list(images), add_special_tokens=False, return_tensors="pt")
+    ids = inputs["input_ids"][0].tolist()
+    pixels = inputs["pixel_values"].to(dtype).contiguous()
+    tensor = vpb.TensorData(shape=list(pixels.shape), dtype=str(dtype).removeprefix("torch."),
+                            inline=pixels.reshape(-1).view(torch.uint8).numpy().tobytes())
+    per = [len(ids[o:o + n]) // len(images) for o, n in placeholder_spans(ids, processor.image_token_id)][0]
+    first = ids.index(processor.image_token_id)
+    ranges = [vpb.PlaceholderRange(offset=first + k * per, length=per) for k in range(len(images))]
+    return ids, vpb.MultimodalInputs(pixel_values=tensor, mm_placeholders=ranges, im_token_id=processor.image_token_id)
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(encoded(image, fmt)).decode()
+
+
+def test_vllm_engine_media_refs_and_router_pixels_equal_the_chat_path_and_transformers(svc, llava):
+    from smg_grpc_proto import vllm_engine_pb2 as vpb
+    from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+    from smg_grpc_proto.generated import common_pb2
+
+    stub = vpb_grpc.VllmEngineStub(svc.channel)
+    info = stub.GetServerInfo(vpb.GetServerInfoRequest(), timeout=30)
+    assert (info.mm_processor, info.mm_media_ref_schemes, info.mm_item_limits) == ("inprocess", "data", "image=2")
+    assert stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=30).supports_vision
+    image = common_pb2.Modality.Value("IMAGE")
+    want = reference(llava, [WIDE], "What is this?")
+    refs = vpb.MediaRefs(items=[vpb.MediaRef(modality=image, url=data_url(WIDE))])
+    assert vllm_generate(svc, vllm_request(router_ids(llava, [WIDE], "What is this?"), media_refs=refs)) == want
+    two = vpb.MediaRefs(items=[vpb.MediaRef(modality=image, url=data_url(TALL)), vpb.MediaRef(modality=image, url=data_url(WIDE))])
+    assert vllm_generate(svc, vllm_request(router_ids(llava, [TALL, WIDE], "Compare."), media_refs=two)) == reference(
+        llava, [TALL, WIDE], "Compare.")
+    ids, mm = router_pixels(llava, [WIDE], "What is this?")
+    assert vllm_generate(svc, vllm_request(ids, mm_inputs=mm)) == want
+    ids, mm = router_pixels(llava, [TALL, WIDE], "Compare.")
+    assert vllm_generate(svc, vllm_request(ids, mm_inputs=mm)) == reference(llava, [TALL, WIDE], "Compare.")
+
+
+def test_vllm_engine_bad_images_are_refused_naming_the_field_and_the_service_keeps_serving(svc, llava):
+    from smg_grpc_proto import vllm_engine_pb2 as vpb
+    from smg_grpc_proto.generated import common_pb2
+
+    image = common_pb2.Modality.Value("IMAGE")
+    ids = router_ids(llava, [WIDE], "What is this?")
+    expanded, mm = router_pixels(llava, [WIDE], "What is this?")
+
+    def refs(*urls):
+        return vpb.MediaRefs(items=[vpb.MediaRef(modality=image, url=url) for url in urls])
+
+    def pixels(**changes):
+        out = vpb.MultimodalInputs()
+        out.CopyFrom(mm)
+        for key, value in changes.items():
+            if key == "mm_placeholders":
+                del out.mm_placeholders[:]
+                out.mm_placeholders.extend(value)
+            else:
+                getattr(out, key).CopyFrom(value) if hasattr(value, "DESCRIPTOR") else setattr(out, key, value)
+        return out
+
+    half = mm.pixel_values.shape[2] // 2
+    cases = [
+        (vllm_request(ids, media_refs=refs("https://example.com/cat.png")), "media_refs.items[0].url", "allowed-media-domains"),
+        (vllm_request(ids, media_refs=refs("data:image/png;base64," + base64.b64encode(encoded(WIDE, "BMP")).decode())),
+         "media_refs.items[0]", "supported format"),
+        (vllm_request(ids, media_refs=refs(data_url(WIDE), data_url(TALL))), "tokenized.input_ids", "1 image placeholders"),
+        (vllm_request(ids, media_refs=refs(*[data_url(WIDE)] * 3)), "media_refs.items[2]", "more than 2 images"),
+        (vllm_request(expanded, mm_inputs=pixels(pixel_values=vpb.TensorData(
+            shape=[1, 3, half, half], dtype="float32", inline=bytes(12 * half * half)))), "mm_inputs.pixel_values", "expected"),
+        (vllm_request(expanded, mm_inputs=pixels(mm_placeholders=[vpb.PlaceholderRange(
+            offset=mm.mm_placeholders[0].offset + 1, length=mm.mm_placeholders[0].length)])), "mm_inputs.mm_placeholders[0]",
+         "image tokens"),
+        (vllm_request(expanded, mm_inputs=pixels(im_token_id=3)), "mm_inputs.im_token_id", "image token"),
+        (vllm_request(expanded, mm_inputs=pixels(pixel_values=vpb.TensorData(
+            shape=list(mm.pixel_values.shape), dtype="float32", inline=b"\xff" * len(mm.pixel_values.inline)))),
+         "mm_inputs.pixel_values", "not finite"),
+    ]
+    for req, field, words in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            vllm_generate(svc, req)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value.details())
+        assert err.value.details().startswith(f"{field}: ") and words in err.value.details(), (field, err.value.details())
+    bf16_ids, bf16 = router_pixels(llava, [WIDE], "What is this?", dtype=torch.bfloat16)  # a router casting to the model's dtype
+    assert len(vllm_generate(svc, vllm_request(bf16_ids, mm_inputs=bf16))) == MAX_TOKENS
+    info = svc.wait_all_blocks_free()
+    assert all(e.num_free_blocks == e.num_total_blocks for e in info.executors)
+
+
+@pytest.fixture(scope="module")
+def smg(svc):
+    """SMG, the field's router, in front of the module's LLaVA service (`smg launch --backend vllm`)."""
+    from bench.smg_router import SmgRouter
+
+    with SmgRouter([f"grpc://127.0.0.1:{svc.port}"]) as router:
+        yield router
+
+
+def test_an_image_url_chat_through_smg_equals_pagodas_chat_and_transformers(svc, llava, smg):
+    """SMG preprocesses a LLaVA-1.5's images itself and sends VllmEngine its pixels (mm_inputs): Pagoda checks
+    them against its processor's shapes and answers as its own chat path does (transformers' generate).
+    The images are 28 x 28, the processor's size: SMG's resampling (Rust) is its own, so a resized image's
+    pixels differ slightly from PIL's (a 22 x 40 one gave another answer after 5 tokens)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{smg.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = smg.workers()[0]["model_id"]
+    answers = []
+    for picture, fmt in ((draw(28, 28, (200, 30, 60)), "PNG"), (draw(28, 28, (20, 160, 220)), "JPEG")):
+        decoded = Image.open(io.BytesIO(encoded(picture, fmt)))
+        want = collect(svc.stub.Generate(image_chat([encoded(picture, fmt), "What is this?"]), timeout=300))
+        assert want["outputs"][0]["token_ids"] == reference(llava, [decoded], "What is this?")
+        reply = client.chat.completions.create(
+            model=model, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(picture, fmt)}},
+                                                   {"type": "text", "text": "What is this?"}]}])
+        assert reply.choices[0].message.content == want["outputs"][0]["text"]
+        assert reply.usage.prompt_tokens == want["last"].usage.prompt_tokens
+        assert reply.usage.completion_tokens == MAX_TOKENS
+        answers.append(reply.choices[0].message.content)
+    assert answers[0] != answers[1]
+
+
+def test_tokenize_of_a_chat_with_images_is_the_processors_ids_generate_runs(svc, llava):
+    processor = llava[1]
+    for images, add in (([WIDE], True), ([TALL, WIDE], False)):
+        req = pb.TokenizeRequest(add_generation_prompt=add)
+        req.chat.CopyFrom(image_chat([*(encoded(i) for i in images), "What is this?"]).chat)
+        content = [*({"type": "image"} for _ in images), {"type": "text", "text": "What is this?"}]
+        text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                       add_generation_prompt=add)
+        want = processor(text=[text], images=images, add_special_tokens=False)["input_ids"][0]
+        reply = svc.stub.Tokenize(req, timeout=120)
+        assert list(reply.token_ids) == list(want) and reply.tokens[-1] == processor.tokenizer.convert_ids_to_tokens(want[-1])
+        assert list(reply.token_ids).count(processor.image_token_id) == 4 * len(images)
+    generated = collect(svc.stub.Generate(image_chat([encoded(WIDE), "What is this?"]), timeout=300))
+    req = pb.TokenizeRequest()
+    req.chat.CopyFrom(image_chat([encoded(WIDE), "What is this?"]).chat)
+    assert len(svc.stub.Tokenize(req, timeout=120).token_ids) == generated["last"].usage.prompt_tokens
+    req = pb.TokenizeRequest()
+    req.chat.CopyFrom(image_chat([encoded(WIDE, "BMP"), "What is this?"]).chat)
+    with pytest.raises(grpc.RpcError) as err:
+        svc.stub.Tokenize(req, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("chat.messages[0].parts[0].image: ") and "supported format" in err.value.details()
+
+
+def test_messages_count_tokens_with_an_image_is_the_prompt_generate_runs(svc):
+    """Anthropic's count_tokens of a message with an image block: the gateway's Tokenize now takes images."""
+    import httpx2 as httpx
+
+    from tests.gateway.gateway import Gateway
+
+    generated = collect(svc.stub.Generate(image_chat([encoded(TALL), "What is this?"]), timeout=300))
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(encoded(TALL)).decode()}}
+    with Gateway(f"127.0.0.1:{svc.port}") as gateway:
+        reply = httpx.post(f"{gateway.url}/v1/messages/count_tokens", timeout=120, json={
+            "model": "any", "messages": [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["input_tokens"] == generated["last"].usage.prompt_tokens
+        # bytes that are no image: refused (400, the scheduler naming the part) as Generate refuses them
+        image["source"]["data"] = base64.b64encode(b"not an image at all").decode()
+        bad = httpx.post(f"{gateway.url}/v1/messages/count_tokens", timeout=120, json={
+            "model": "any", "messages": [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]})
+        assert bad.status_code == 400 and "not an image" in bad.text, bad.text
+
+
 def test_a_text_only_model_refuses_images(default_model_dir):
     from scheduler_svc.errors import InvalidArgument
     from scheduler_svc.prompts import PromptWorker
@@ -245,8 +449,10 @@ def test_qwen2_5_vl_prompts_are_what_its_processor_gives(tmp_path, default_model
     worker = PromptWorker(scheduler_tokenizer, read_model_spec(tmp_path, scheduler_tokenizer), 512, model_dir=tmp_path)
     try:
         params = asyncio.run(worker.generate_params(image_chat(["Look: ", encoded(WIDE), encoded(TALL), " which?"])))
+        routed = routed_prompts(worker, tokenizer, ["Look: ", WIDE, TALL, " which?"])
     finally:
         worker.close()
+    assert routed == [(params.prompt_token_ids, params.images)] * 2
     before = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image"}]}],
                                            tokenize=False).removesuffix("<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n")
     wide = qwen_inputs(tokenizer, images, config, before, WIDE, "")
@@ -261,3 +467,53 @@ def test_qwen2_5_vl_prompts_are_what_its_processor_gives(tmp_path, default_model
         tensors = {t.name: t.to_torch() for t in got.tensors}
         assert torch.equal(tensors["pixel_values"], inputs["pixel_values"])
         assert torch.equal(tensors["image_grid_thw"], inputs["image_grid_thw"])
+
+
+def routed_prompts(worker, tokenizer, parts) -> list:
+    """(ids, ImageInputs) of a user message of `parts` (str, PIL images) as a router sends it: tokenized with one
+    placeholder an image (media_refs, expanded by the processor), and expanded with the processor's pixels (mm_inputs)."""
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts]
+    pictures = [p for p in parts if not isinstance(p, str)]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True, add_generation_prompt=True,
+                                        return_dict=False)
+    images = worker.images
+    expanded, refs = images.expand(ids, pictures, 511, "tokenized.input_ids")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    features = images.processor(text=[text], images=pictures, add_special_tokens=False, return_tensors="pt")
+    tensors = {k: v for k, v in features.items() if k in ("pixel_values", "image_grid_thw")}
+    full = features["input_ids"][0].tolist()
+    ranges = [(i.offset, i.length) for i in refs]
+    return [(expanded, refs), images.preprocessed(full, tensors, ranges, 511, "mm_inputs")]
+
+
+def test_gemma3_router_prompts_are_the_chat_paths(gemma3):
+    """Gemma 3's placeholder is `<start_of_image>`: a router's tokenized prompt with one an image, expanded by the
+    processor (media_refs), or its expanded ids and pixels (mm_inputs), is the prompt a chat with the image gives."""
+    from scheduler_svc.prompts import PromptWorker
+    from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
+
+    folder, processor, _ = gemma3
+    tokenizer = load_tokenizer(folder)
+    worker = PromptWorker(tokenizer, read_model_spec(folder, tokenizer), 512, model_dir=folder)
+    try:
+        for parts in (["Look at this", WIDE, "?"], [TALL, "and", WIDE, "which?"]):
+            chat = image_chat([encoded(p) if isinstance(p, Image.Image) else p for p in parts])
+            params = asyncio.run(worker.generate_params(chat))
+            assert routed_prompts(worker, processor.tokenizer, parts) == [(params.prompt_token_ids, params.images)] * 2
+        # ids that are not what their text tokenizes to ("this" split in two) keep theirs: each anchor expanded alone
+        content = [{"type": "text", "text": "Look at this"}, {"type": "image"}, {"type": "text", "text": "?"}]
+        ids = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
+                                                      add_generation_prompt=True, return_dict=False)
+        this = processor.tokenizer.convert_tokens_to_ids("Ġthis")
+        split = processor.tokenizer.convert_tokens_to_ids(["Ġth", "is"])
+        at = ids.index(this)
+        odd = ids[:at] + split + ids[at + 1:]
+        expanded, images = worker.images.expand(odd, [WIDE], 511, "tokenized.input_ids")
+        anchor = odd.index(processor.tokenizer.boi_token_id)
+        fragment = processor.tokenizer(processor.full_image_sequence, add_special_tokens=False)["input_ids"]
+        assert expanded == odd[:anchor] + fragment + odd[anchor + 1:]
+        chat = asyncio.run(worker.generate_params(image_chat(["Look at this", encoded(WIDE), "?"]))).images
+        assert [i.tensors for i in images] == [i.tensors for i in chat] and images[0].offset == expanded.index(
+            processor.tokenizer.image_token_id)
+    finally:
+        worker.close()

@@ -5,11 +5,14 @@ from __future__ import annotations
 import grpc
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import common_pb2
 
 from pagoda.v1 import generation_pb2 as pb
 from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.media import MediaConfig
 from scheduler_svc.tokenizer import ModelSpec
 from scheduler_svc.validation import check_fields
+from scheduler_svc.vllm_engine.media import MediaRefsInput, PixelInput, media_ref_schemes, request_media
 from scheduler_svc.vllm_engine.requests import constrained_decoding_start, to_pagoda_request, vllm_field_error
 from scheduler_svc.vllm_engine.responses import ResponseTranslator
 
@@ -110,9 +113,6 @@ def test_constraint_errors_name_the_protocols_field():
 @pytest.mark.parametrize(
     "field, req, code",
     [
-        ("mm_inputs", vpb.GenerateRequest(mm_inputs=vpb.MultimodalInputs(im_token_id=1)), grpc.StatusCode.UNIMPLEMENTED),
-        ("extra_mm_inputs", vpb.GenerateRequest(extra_mm_inputs=[vpb.MultimodalInputs()]), grpc.StatusCode.UNIMPLEMENTED),
-        ("media_refs", vpb.GenerateRequest(media_refs=vpb.MediaRefs()), grpc.StatusCode.UNIMPLEMENTED),
         ("kv_transfer_params", vpb.GenerateRequest(kv_transfer_params=vpb.KvTransferParams()), grpc.StatusCode.UNIMPLEMENTED),
         ("kv_transfer_params_json", vpb.GenerateRequest(kv_transfer_params_json="{}"), grpc.StatusCode.UNIMPLEMENTED),
         ("data_parallel_rank", vpb.GenerateRequest(data_parallel_rank=1), grpc.StatusCode.INVALID_ARGUMENT),
@@ -211,3 +211,67 @@ def test_finish_reasons_are_vllms(reason, name):
     response = pagoda_response([pb.SequenceOutput(index=0, token_ids=[2], finish_reason=reason)], prompt=(3, 0), usage=True)
     (out,) = translator.translate(response)
     assert out.complete.finish_reason == name and out.complete.WhichOneof("matched_stop") is None
+
+
+IMAGE = common_pb2.Modality.Value("IMAGE")
+
+
+def pixels(**fields) -> vpb.TensorData:
+    return vpb.TensorData(**({"shape": [1, 3, 2, 2], "dtype": "float32", "inline": bytes(48)} | fields))
+
+
+@pytest.mark.parametrize(
+    "field, req",
+    [
+        ("extra_mm_inputs", vpb.GenerateRequest(extra_mm_inputs=[vpb.MultimodalInputs()])),
+        ("media_refs", vpb.GenerateRequest(media_refs=vpb.MediaRefs(items=[vpb.MediaRef(modality=IMAGE, url="data:,")]),
+                                           mm_inputs=vpb.MultimodalInputs(pixel_values=pixels()))),
+        ("media_refs", vpb.GenerateRequest(text="hi", media_refs=vpb.MediaRefs(items=[vpb.MediaRef(modality=IMAGE, url="x")]))),
+        ("mm_inputs", vpb.GenerateRequest(text="hi", mm_inputs=vpb.MultimodalInputs(pixel_values=pixels()))),
+        ("media_refs.items", vpb.GenerateRequest(media_refs=vpb.MediaRefs())),
+        ("media_refs.items[1].modality", vpb.GenerateRequest(media_refs=vpb.MediaRefs(items=[
+            vpb.MediaRef(modality=IMAGE, url="data:,"), vpb.MediaRef(modality=common_pb2.Modality.Value("VIDEO"), url="u")]))),
+    ],
+)
+def test_images_the_engine_cannot_read_are_refused_naming_the_field(field, req):
+    if req.WhichOneof("input") is None:
+        req.tokenized.input_ids.append(5)
+    with pytest.raises(InvalidArgument) as err:
+        request_media(req)
+    assert err.value.message.startswith(f"{field}: "), err.value.message
+
+
+@pytest.mark.parametrize(
+    "field, mm, words",
+    [
+        ("mm_inputs.pixel_values", vpb.MultimodalInputs(), "is required"),
+        ("mm_inputs.pixel_values", vpb.MultimodalInputs(pixel_values=pixels(inline=bytes(47))), "needs 48"),
+        ("mm_inputs.pixel_values", vpb.MultimodalInputs(pixel_values=pixels(dtype="float64")), "dtype"),
+        ("mm_inputs.pixel_values", vpb.MultimodalInputs(pixel_values=pixels(shape=[1, 3, 0, 2], inline=b"")), "empty"),
+        ("mm_inputs.pixel_values", vpb.MultimodalInputs(pixel_values=vpb.TensorData(
+            shape=[1], dtype="float32", shm=common_pb2.ShmHandle())), "only inline"),
+        ("mm_inputs.pixel_values", vpb.MultimodalInputs(pixel_values=pixels(shape=[2**20, 3, 64, 64], inline=b"")), "more than"),
+        ("mm_inputs.model_specific_tensors[image_grid_thw]", vpb.MultimodalInputs(
+            pixel_values=pixels(), model_specific_tensors={"image_grid_thw": pixels(dtype="int64")}), "needs 96"),
+        ("mm_inputs.modality", vpb.MultimodalInputs(modality=common_pb2.Modality.Value("VIDEO")), "only images"),
+        ("mm_inputs.mm_placeholders", vpb.MultimodalInputs(
+            pixel_values=pixels(), mm_placeholders=[vpb.PlaceholderRange(offset=0, length=1)] * 3), "more than 2"),
+    ],
+)
+def test_router_pixels_are_checked_before_they_are_read(field, mm, words):
+    with pytest.raises(InvalidArgument) as err:
+        PixelInput(mm).check(MediaConfig(limit_images=2))
+    assert err.value.message.startswith(f"{field}: ") and words in err.value.message, err.value.message
+
+
+def test_media_refs_urls_are_held_to_the_allowed_domains_and_the_image_limit():
+    refs = MediaRefsInput(("data:image/png;base64,AAAA", "https://example.com/cat.png"))
+    with pytest.raises(InvalidArgument) as err:
+        refs.check(MediaConfig())
+    assert err.value.message.startswith("media_refs.items[1].url: ") and "allowed-media-domains" in err.value.message
+    refs.check(MediaConfig(allowed_domains=("example.com",)))
+    with pytest.raises(InvalidArgument) as err:
+        refs.check(MediaConfig(limit_images=1, allowed_domains=("example.com",)))
+    assert err.value.message.startswith("media_refs.items[1]: more than 1 images")
+    assert media_ref_schemes(MediaConfig()) == "data"
+    assert media_ref_schemes(MediaConfig(allowed_domains=("example.com",))) == "http,https,data"
