@@ -12,7 +12,10 @@ best of `--rounds`:
 2. W48-like: 48 greedy requests (prompts 32-384 tokens, outputs 16-160, all queued at once) through
    the core scheduler (512-token steps, `max_loras` 4), every request on the base vs the 48 spread
    over the 4 adapters; output tokens/s (aim: at least 0.8x);
-3. the resident bytes of one adapter.
+3. the resident bytes of one adapter;
+4. with `--vllm-python PATH` (vLLM's CPU build in a venv of its own): the same W48-like workload and
+   adapters through vLLM's offline `LLM` with `enable_lora`, on the model as a Hugging Face folder
+   (`bench/vllm_lora_load.py`), base vs adapters, in the same run.
 
 Runner level (no sockets): the service's per-token overhead does not change with adapters.
 """
@@ -106,14 +109,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--vllm-python", default=None, help="vLLM's Python: also run the load through vLLM")
+    parser.add_argument("--vllm-dtype", default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = ModelRunner(resolve_model(args.model, weights=False), device="cpu", block_size=16, num_kv_blocks=4096,
                          enable_lora=True, max_lora_rank=args.rank)
     print(machine_line(machine_info()))
-    with tempfile.TemporaryDirectory() as tmp:
-        sizes = [runner.add_lora(name, write_adapter(Path(tmp) / name, runner.config, args.rank, i))
-                 for i, name in enumerate(ADAPTERS)]
+    tmp = tempfile.TemporaryDirectory()
+    folders = [write_adapter(Path(tmp.name) / name, runner.config, args.rank, i) for i, name in enumerate(ADAPTERS)]
+    sizes = [runner.add_lora(name, folder) for name, folder in zip(ADAPTERS, folders)]
     print(f"model {runner.model_dir.name} ({runner.quantization}, {runner.weight_bytes / 2**20:.1f} MiB); "
           f"4 adapters of rank {args.rank} on every projection, {sizes[0] / 2**20:.2f} MiB resident each")
     workload = w48_requests(args.requests)
@@ -130,7 +135,28 @@ def main() -> None:
     rows = [["one stream, decode tok/s", best["one/base"], best["one/lora"], best["one/lora"] / best["one/base"]],
             [f"W{args.requests}-like, output tok/s (4 adapters)", best["load/base"], best["load/lora"],
              best["load/lora"] / best["load/base"]]]
+    if args.vllm_python:
+        del runner  # its memory back before vLLM starts
+        vllm = run_vllm(args, folders, workload, Path(tmp.name))
+        rows.append([f"vLLM {args.vllm_dtype}: W{args.requests}-like, output tok/s", vllm["base"], vllm["lora"],
+                     vllm["lora"] / vllm["base"]])
     print(format_table(["measurement", "base", "adapters", "ratio"], rows))
+    tmp.cleanup()
+
+
+def run_vllm(args, folders: list[Path], workload, tmp: Path) -> dict:
+    """bench/vllm_lora_load.py under `--vllm-python` on the same model (as a Hugging Face folder), adapters and workload."""
+    import os
+    import subprocess
+
+    spec = tmp / "vllm_spec.json"
+    spec.write_text(json.dumps({"model": str(resolve_model(args.model)), "adapters": [str(f) for f in folders],
+                                "workload": workload, "rank": args.rank, "dtype": args.vllm_dtype, "rounds": args.rounds}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}" if args.threads > 1 else "0"}
+    out = subprocess.run([args.vllm_python, str(Path(__file__).with_name("vllm_lora_load.py")), str(spec)], env=env,
+                         check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
