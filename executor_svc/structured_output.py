@@ -27,7 +27,11 @@ delay another's by at most the load running.
 Compiling never stalls a step. Grammars compile as soon as the request arrives, off the
 step's path, in a child process bounded in time (`timeout_s`) and memory (`memory_bytes`,
 `pagoda.grammar_process`), which sends the compiled grammar back serialized; a background
-thread deserializes it. A request that reaches its first sample before then (`pending`)
+thread deserializes it. A grammar cheaper to compile again than to carry (the child compiled it
+in under a second but it is large: 128 tools' calls, 0.35 s to compile, 12 s to serialize and
+deserialize) comes back as "compiles" alone, and the background thread compiles it in this
+process (xgrammar lets go of the GIL meanwhile: the step goes on), bounded by what the child
+measured. A request that reaches its first sample before then (`pending`)
 gets no token: the model runner pins `GRAMMAR_PENDING` on it, the step runs the others,
 and the scheduler takes it out and binds it again a little later (`defer=False`: the step
 waits instead, for tests that drive a runner alone). A compile over a bound fails that
@@ -58,7 +62,8 @@ from pagoda.grammar_process import CompileProcess, CompileUnavailable
 
 logger = logging.getLogger(__name__)
 
-# xgrammar's compiled-grammar cache in the compile process (bytes); a schema of a few fields is ~50 KB.
+# xgrammar's compiled-grammar cache of the grammars this process compiles itself (those cheaper to
+# compile again than to carry, pagoda.grammar_process), bytes; 128 tools' calls: ~2 MB.
 CACHE_LIMIT_BYTES = 256 << 20
 COMPILE_THREADS = 1
 # The scheduler refused any constraint that did not compile within 10 s in its own check
@@ -157,6 +162,8 @@ class StructuredOutput:
         self._turns = 0
         self.turn_order: deque[str] = deque(maxlen=64)  # tenants, as their loads started
         self.max_grammar_bytes = max_grammar_bytes
+        self._compiler = None  # this process's own, for grammars cheaper to compile again than to carry
+        self.num_local_compiles = 0
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -313,6 +320,13 @@ class StructuredOutput:
             raise RuntimeError(str(exc)) from None  # not cached: the next request of it tries again
         if error is not None:
             raise _CompileFailed(error.removeprefix("does not compile: "))
+        if data is None:  # it compiled within the child's bounds, and compiling it again is cheaper than carrying it
+            from pagoda.grammars import compile_constraint
+
+            if self._compiler is None:
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self._cache_limit_bytes)
+            self.num_local_compiles += 1
+            return compile_constraint(self._compiler, constraint)
         return xgr.CompiledGrammar.deserialize_json(data.decode(), info)
 
     def _tokenizer_info(self):

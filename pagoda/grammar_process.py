@@ -10,6 +10,15 @@ never compile in its own process (executor_svc/structured_output.py). The schedu
 keeps it too, and sends it with the request (scheduler_svc/constraint_check.py): an executor
 then deserializes it instead of compiling the constraint again.
 
+Serializing is not always cheaper than compiling again: a union of many small grammars (128
+tools' calls, a structural tag) compiles in 0.35 s but serializes in 8.5 s to 40 MB, which
+takes 4 s to deserialize (measured with the default model's tokenizer; 2.1 MB in memory). So
+the child sends a grammar back only when it is small (`SMALL_GRAMMAR_BYTES` in memory) or
+took `RECOMPILE_BELOW_S` or more to compile; otherwise it answers that the constraint
+compiles, with nothing to carry, and the caller compiles it again where it needs it, in about
+the time the child took (the executor does, off the step's path). A serialization that
+overruns its bound is not a refusal either: the constraint compiled, the child is replaced.
+
 Nothing is pickled: the child and its parent exchange JSON and raw bytes over a pipe. The child
 is started with "spawn" (a fork would copy gRPC's, ZeroMQ's and torch's threads mid-flight).
 """
@@ -32,6 +41,11 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0
 CHILD_CACHE_BYTES = 64 << 20  # xgrammar's own cache in the child, within its memory cap
 MAX_REPLY_BYTES = 512 << 20  # a serialized compiled grammar sent back (a hostile 8-string schema: ~16 MB)
+# Sent back serialized only when small in memory (a schema of a few fields: ~10-200 KB, serialized
+# and deserialized in well under 0.3 s), or slow to compile again (a hostile 8-string schema of
+# maxLength 1000: 2.9 s, serialized in 0.9 s, deserialized in 0.5 s). Measured, default model.
+SMALL_GRAMMAR_BYTES = 256 << 10
+RECOMPILE_BELOW_S = 1.0
 
 
 class CompileUnavailable(RuntimeError):
@@ -52,6 +66,8 @@ class CompileProcess:
 
     def compile(self, constraint: Constraint, timeout_s: float, serialize: bool = False) -> tuple[str | None, bytes | None]:
         """(None, the serialized grammar or None) when `constraint` compiles, else (why not, None).
+        With `serialize` the grammar is None when it is cheaper to compile again than to carry
+        (see the module's docstring) or its serialization overran `timeout_s`.
 
         Raises CompileUnavailable if no child can start.
         """
@@ -75,10 +91,14 @@ class CompileProcess:
                 return self._overran(constraint, timeout_s)
             reply = json.loads(self._conn.recv_bytes())
             grammar = None
-            if serialize and "error" not in reply:  # it compiled: serializing it has a bound of its own
+            if reply.get("serialized"):  # it compiled: serializing it has a bound of its own
                 if not self._conn.poll(timeout_s):
-                    return self._overran(constraint, timeout_s)
-                grammar = self._conn.recv_bytes(self.max_reply_bytes)
+                    log.warning("serializing %s took over %.1f s: killing the compile process",
+                                constraint.field, timeout_s)
+                    self.stop()
+                    self.warm()
+                    return None, None  # it compiles: the caller compiles it again
+                grammar = self._conn.recv_bytes(self.max_reply_bytes) or None
         except (EOFError, OSError):
             code = self._proc.exitcode if self._proc is not None else None
             self.stop()
@@ -167,14 +187,17 @@ def _child_main(conn, model_dir: str, memory_bytes: int) -> None:
             request = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
-        grammar = None
+        compiled = None
         try:
             kind = ConstraintKind(request["kind"])
             constraint = Constraint(kind, request["value"], tuple(request["choices"]))
+            started = time.monotonic()
             compiled = compile_constraint(compiler, constraint)
-            if request.get("serialize"):
-                grammar = compiled.serialize_json().encode()
-            reply = {}
+            compile_s = time.monotonic() - started
+            serialize = bool(request.get("serialize")) and (
+                compiled.memory_size_bytes <= SMALL_GRAMMAR_BYTES or compile_s >= RECOMPILE_BELOW_S)
+            reply = {"serialized": serialize, "compile_s": round(compile_s, 4),
+                     "memory_bytes": compiled.memory_size_bytes}
         except MemoryError:
             reply = {"error": f"compiling it needs more than {memory_bytes >> 20} MiB (the limit)"}
         except Exception as exc:  # noqa: BLE001 - xgrammar's errors are the client's answer
@@ -182,8 +205,13 @@ def _child_main(conn, model_dir: str, memory_bytes: int) -> None:
             if "bad_alloc" in message:
                 message = f"compiling it needs more than {memory_bytes >> 20} MiB (the limit)"
             reply = {"error": f"does not compile: {message}"}
-        conn.send_bytes(json.dumps(reply).encode())
-        if grammar is not None:
+        conn.send_bytes(json.dumps(reply).encode())  # the compile's answer, before any serializing
+        if reply.get("serialized"):
+            try:
+                grammar = compiled.serialize_json().encode()
+            except Exception:  # noqa: BLE001 - out of memory: it compiled, nothing is carried (b"")
+                grammar = b""
+            del compiled
             conn.send_bytes(grammar)
 
 

@@ -422,3 +422,40 @@ def test_the_executors_grammar_loads_take_tenants_in_turns(default_model_dir, mo
         structured.close()
     # f0 was running when the bystander's came; then the bystander, then the flooder's in order
     assert list(structured.turn_order) == ["flooder", "bystander", *["flooder"] * 6], structured.turn_order
+
+
+def test_many_tools_are_compiled_here_not_carried_and_a_call_is_accepted(default_model_dir):
+    """Issue 43 point 4: a grammar the compile process finds cheaper to compile again than to carry
+    (64 tools' calls: ~0.1-0.3 s to compile, ~4 s to serialize to ~20 MB, ~1.5 s to deserialize) comes
+    back as "compiles" alone and this process compiles it on its compile thread (num_local_compiles);
+    a small one still comes back serialized. The matcher is the constraint's: a call of one of the
+    tools in the hermes format is accepted to the end."""
+    import json
+
+    from bench.stall_probe import many_tools
+    from executor_svc.structured_output import StructuredOutput
+    from pagoda.tool_parsers import TOOL_PARSERS
+    from scheduler_svc.tokenizer import load_tokenizer
+
+    tools = many_tools(64, 901)
+    tag = Constraint.structural_tag(TOOL_PARSERS["hermes"].constraint(tools, parallel=True)["structural_tag"])
+    structured = StructuredOutput(default_model_dir)
+    try:
+        structured.add("small", Constraint.regex("[0-9]{2}"), [], b"", "a")
+        structured.add("tools", tag, [], b"", "a")
+        for req_id in ("small", "tools"):
+            structured._requests[req_id].compiled.result(timeout=300)
+        assert (structured.num_compiles, structured.num_local_compiles) == (2, 1)
+        matcher = structured._requests["tools"].ready()
+        name = tools[5]["function"]["name"]  # its parameters: urgent (required), amount, city
+        call = '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps({"urgent": True}))
+        tokenizer = load_tokenizer(default_model_dir)
+        for token_id in tokenizer.encode(call, add_special_tokens=False):
+            assert matcher.accept_token(token_id), tokenizer.decode([token_id])
+        assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+        import xgrammar as xgr
+
+        fresh = xgr.GrammarMatcher(structured._requests["tools"].compiled.result())
+        assert not fresh.accept_token(tokenizer.encode("Hello", add_special_tokens=False)[0])  # a call is required
+    finally:
+        structured.close()
