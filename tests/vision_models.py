@@ -72,3 +72,42 @@ def tiny_gemma3(default_model_dir, out_dir, chat_template: str | None = None):
     with torch.no_grad():  # (initialised to zeros: images would change nothing)
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
     return _perturb_and_save(model, processor, out_dir)
+
+
+def tiny_qwen2_5_vl(default_model_dir, out_dir, chat_template: str | None = None):
+    """A tiny Qwen2.5-VL: 14 px patches merged 2x2, two windowed vision blocks then one full, rotary
+    sections 2 + 3 + 3 of 8 frequencies. Its processor class needs torchvision (its video
+    processor), so this returns ((tokenizer, image processor), model), both saved in `out_dir`;
+    `qwen_inputs` expands the image tokens from the image processor's grid as the processor does."""
+    import transformers as T
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = T.AutoTokenizer.from_pretrained(str(default_model_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]})
+    tokenizer.chat_template = chat_template
+    ids = tokenizer.convert_tokens_to_ids
+    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 12, patch_size=14, merge_size=2, temporal_patch_size=2)
+    text = T.Qwen2_5_VLTextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = T.Qwen2_5_VLVisionConfig(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[2])
+    config = T.Qwen2_5_VLConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=ids("<|image_pad|>"),
+                                vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+                                video_token_id=ids("<|video_pad|>"), bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(2)
+    processor, model = _perturb_and_save(T.Qwen2_5_VLForConditionalGeneration(config), tokenizer, out_dir)
+    images.save_pretrained(out_dir)
+    return (processor, images), model
+
+
+def qwen_inputs(tokenizer, image_processor, config, before: str, image, after: str):
+    """What Qwen2.5-VL's processor gives: <|vision_start|>, the image's pad tokens, <|vision_end|>."""
+    features = image_processor(images=[image], return_tensors="pt") if image is not None else {}
+    ids = tokenizer(before)["input_ids"]
+    if image is not None:
+        count = int(features["image_grid_thw"].prod()) // 4
+        ids += [config.vision_start_token_id] + [config.image_token_id] * count + [config.vision_end_token_id]
+    ids += tokenizer(after)["input_ids"]
+    input_ids = torch.tensor([ids])
+    return {"input_ids": input_ids, "mm_token_type_ids": (input_ids == config.image_token_id).int(), **features}

@@ -80,10 +80,22 @@ class SchedulerConfig:
     # A prefill chunk never ends inside an image's placeholder span (Register.whole_image_chunks:
     # Gemma 3); it is cut before the image, or takes the whole span when it starts the step's budget.
     whole_image_chunks: bool = False
+    # The image placeholder tokens whose images one step may encode (vLLM's
+    # max_num_encoder_input_tokens; 0: max_num_batched_tokens). An image that does not fit waits
+    # for a later step (the chunk stops before it); one larger than the whole budget is encoded
+    # alone, in a step that encodes nothing else (vLLM raises its budget to the largest image).
+    max_num_encoder_input_tokens: int = 0
+
+    @property
+    def encoder_budget(self) -> int:
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_running_per_tenant, int) or isinstance(self.max_running_per_tenant, bool) or self.max_running_per_tenant < 0:
             raise ValueError(f"SchedulerConfig.max_running_per_tenant must be an int >= 0, got {self.max_running_per_tenant!r}")
+        value = self.max_num_encoder_input_tokens
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"SchedulerConfig.max_num_encoder_input_tokens must be an int >= 0, got {value!r}")
         if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 0:
             raise ValueError(f"SchedulerConfig.max_loras must be an int >= 0, got {self.max_loras!r}")
         minimums = {

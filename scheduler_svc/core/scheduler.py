@@ -53,6 +53,14 @@ scheduled nor admitted, until `fork_beams` replaces them by their children (or t
 are finished). Forked children start RUNNING on the parent's blocks; each is sent to
 the executor as a new request in the next plan, with the block copies.
 
+Images (`Request.images`): the executor encodes an image when a step first schedules one of its
+placeholder tokens and keeps its rows until the request has computed them all. A step encodes at
+most `SchedulerConfig.encoder_budget` placeholder tokens' worth of images (vLLM's encoder compute
+budget): an image no request holds on the executor yet (none is part way through it, none earlier
+in this step schedules it) costs its length; one that does not fit ends the request's chunk
+before it (nothing, when the chunk starts inside it: a prefix hit part way), so it waits for a
+later step. An image larger than the whole budget is encoded in a step that encodes nothing else.
+
 Request states::
 
     add_requests -> WAITING --admit/fork--> RUNNING --stop/abort--> FINISHED
@@ -180,6 +188,10 @@ class Scheduler:
         self._spec_stats = SpecDecodeStats()
         self._waiting_elsewhere: dict[str, Request] = {}  # tenant -> its next request in the engine's queue
         self._fair: _Fairness | None = None  # during schedule()
+        # during schedule(): encoder budget left, and the hashes of the images the executor holds
+        # in this step (None until an image asks; see "Images")
+        self._encoder_budget = 0
+        self._encoder_held: set[str] | None = None
 
     # ---- front end ------------------------------------------------------------------------
 
@@ -487,6 +499,7 @@ class Scheduler:
         self._fair = fair = self._fairness()
         if fair is not None:
             self._make_room(fair, plan)
+        self._encoder_budget, self._encoder_held = self.config.encoder_budget, None
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if self.num_preemptions == num_preemptions:
             self._schedule_waiting(plan, budget)
@@ -666,8 +679,12 @@ class Scheduler:
                     num_new = min(num_new, fair.tokens_left(request.tenant))
                     if num_new <= 0:
                         continue
-                if request.images and whole_images:
-                    num_new = self._image_cut(request, request.num_computed_tokens, num_new, budget == full_budget)
+                encoded = None
+                if request.images:
+                    if whole_images:
+                        num_new = self._image_cut(request, request.num_computed_tokens, num_new, budget == full_budget)
+                    if num_new:
+                        num_new, encoded = self._encoder_cut(request, request.num_computed_tokens, num_new)
                     if num_new == 0:
                         continue
                 if fair is not None and num_new > 1:
@@ -677,6 +694,8 @@ class Scheduler:
                     new_block_ids = self._preempt_for(request, num_new, plan)
                     if new_block_ids is None:
                         continue
+                if encoded is not None:
+                    self._encoder_commit(*encoded)
             if not unsent or req_id not in unsent:  # a forked beam is sent in full by _send_forked
                 cached_requests.append(CachedRequestData(req_id, new_block_ids))
             num_scheduled_tokens[req_id] = num_new
@@ -697,6 +716,43 @@ class Scheduler:
                     return image.offset - start
                 return image.offset + image.length - start if may_overrun else 0
         return num_new
+
+    def _encoder_cut(self, request: Request, start: int, num_new: int) -> tuple[int, tuple[int, list[str]]]:
+        """`num_new` tokens from `start`, cut before the first image the step's encoder budget cannot
+        take (see "Images"), and (the budget its new images cost, the hashes of the images it
+        schedules) for `_encoder_commit` once the chunk has its blocks."""
+        end, cost, hashes, full = start + num_new, 0, [], self.config.encoder_budget
+        for image in request.images:
+            if image.offset >= end:
+                break
+            if image.offset + image.length <= start:
+                continue
+            if image.hash in hashes or image.hash in self._held_images():
+                hashes.append(image.hash)
+                continue
+            left = self._encoder_budget - cost
+            if image.length > left and not (cost == 0 and self._encoder_budget == full):
+                return max(image.offset - start, 0), (cost, hashes)
+            cost += image.length
+            hashes.append(image.hash)
+        return num_new, (cost, hashes)
+
+    def _held_images(self) -> set[str]:
+        """The hashes of the images the executor holds for this step so far: those of the running
+        requests part way through an image, and (`_encoder_commit`) of the chunks scheduled."""
+        if self._encoder_held is None:
+            self._encoder_held = {
+                image.hash
+                for request in self._running
+                if request.images and request.status is _RUNNING
+                for image in request.images
+                if image.offset < request.num_computed_tokens < image.offset + image.length
+            }
+        return self._encoder_held
+
+    def _encoder_commit(self, cost: int, hashes: list[str]) -> None:
+        self._encoder_budget = max(self._encoder_budget - cost, 0)  # (an image over the whole budget)
+        self._held_images().update(hashes)
 
     def _draft(self, request: Request, budget: int) -> tuple[list[int], tuple[list[int], ...] | None]:
         """Draft tokens for a request at its end, and the new blocks they need; ([], None) if none.
@@ -830,12 +886,18 @@ class Scheduler:
         """Start a waiting request from its prefix hit; the tokens scheduled, 0 if no room."""
         computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit, budget)
-        if request.images and self.config.whole_image_chunks:
-            num_new = self._image_cut(request, num_hit, num_new, budget == self.config.max_num_batched_tokens)
+        encoded = None
+        if request.images:
+            if self.config.whole_image_chunks:
+                num_new = self._image_cut(request, num_hit, num_new, budget == self.config.max_num_batched_tokens)
+            if num_new:
+                num_new, encoded = self._encoder_cut(request, num_hit, num_new)
             if num_new == 0:
                 return 0
         if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
             return 0
+        if encoded is not None:
+            self._encoder_commit(*encoded)
         request.num_computed_tokens = num_hit
         if not request.was_scheduled:
             request.num_cached_tokens, request.was_scheduled = num_hit, True

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from pagoda.step import ImageInput
 from scheduler_svc.core import KVCacheManager, Scheduler, SchedulerConfig
 from scheduler_svc.core.block_hash import block_hashes_of
@@ -112,3 +114,95 @@ def test_every_new_request_carries_the_images_after_preemption_too():
     sent_a = [images for req_id, images in sent if req_id == "a"]
     assert len(sent_a) >= 2 and all(images == image.images for images in sent_a)
     assert all(images == () for req_id, images in sent if req_id == "b")
+
+
+# ---- the encoder budget (SchedulerConfig.max_num_encoder_input_tokens) ---------------------------
+
+
+def encoding_steps(scheduler, executor, max_steps: int = 200) -> list[tuple[dict[str, int], list[str]]]:
+    """Run to the end; each step's chunks and the images an executor's encoder cache would encode
+    in it (an image is encoded when a chunk overlaps it and no request holds it; a request holds it
+    until it has computed all of its placeholders, or stops running)."""
+    holders: dict[str, set[str]] = {}
+    steps = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return steps
+        plan = scheduler.schedule()
+        for holding in holders.values():
+            holding.intersection_update(r.req_id for r in scheduler._running)
+        encoded = []
+        for req_id, n in plan.num_scheduled_tokens.items():
+            request = scheduler._requests[req_id]
+            end = request.num_computed_tokens
+            for image in request.images:
+                if image.offset < end and image.end > end - n:
+                    if not holders.get(image.hash):
+                        encoded.append(image.hash)
+                    holders.setdefault(image.hash, set()).add(req_id)
+                    if end >= image.end:
+                        holders[image.hash].discard(req_id)
+        steps.append((dict(plan.num_scheduled_tokens), sorted(set(encoded))))
+        scheduler.update_from_output(plan, executor.execute(plan))
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
+def add(scheduler, *requests) -> None:
+    for request in requests:  # one at a time (a list is the n samples of one prompt)
+        scheduler.add_requests([request])
+
+
+def make_encoder(budget: int, encoder_budget: int, whole: bool = False, prefix: bool = False):
+    config = SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=budget, enable_prefix_caching=prefix,
+                             whole_image_chunks=whole, max_num_encoder_input_tokens=encoder_budget)
+    return Scheduler(config), FakeExecutor(4, 64)
+
+
+def test_the_encoder_budget_defaults_to_the_step_budget_and_is_checked():
+    assert SchedulerConfig(num_blocks=8, max_num_batched_tokens=96).encoder_budget == 96
+    assert SchedulerConfig(num_blocks=8, max_num_encoder_input_tokens=40).encoder_budget == 40
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens"):
+        SchedulerConfig(num_blocks=8, max_num_encoder_input_tokens=-1)
+
+
+def test_an_image_past_the_encoder_budget_waits_for_the_next_step():
+    scheduler, executor = make_encoder(budget=64, encoder_budget=12)
+    add(scheduler, with_image("a", "aa"), with_image("b", "bb"))  # images [5,13) each: 8 + 8 > 12
+    steps = encoding_steps(scheduler, executor)
+    assert steps[0] == ({"a": 20, "b": 5}, ["aa"])  # b stops before its image
+    assert steps[1] == ({"a": 1, "b": 15}, ["bb"])
+    assert all(sum(8 for _ in encoded) <= 12 for _, encoded in steps)
+
+
+def test_an_image_the_executor_holds_costs_nothing():
+    scheduler, executor = make_encoder(budget=64, encoder_budget=8)
+    add(scheduler, with_image("a", "aa"), with_image("b", "aa"), with_image("c", "cc"))
+    steps = encoding_steps(scheduler, executor)
+    assert steps[0] == ({"a": 20, "b": 20, "c": 5}, ["aa"])  # b shares a's image; c's would be 16 > 8
+
+
+def test_a_chunk_part_way_through_an_image_does_not_encode_it_again():
+    scheduler, executor = make_encoder(budget=12, encoder_budget=8)
+    add(scheduler, with_image("a", "aa"), with_image("b", "bb", offset=0, length=4, tail=1))  # a: image [5,13)
+    steps = encoding_steps(scheduler, executor)
+    assert steps[0] == ({"a": 12}, ["aa"])
+    # a's chunk [12,20) reads the cached rows, so b's image fits the encoder budget beside it
+    assert steps[1] == ({"a": 8, "b": 4}, ["bb"])
+
+
+def test_an_image_over_the_whole_encoder_budget_is_encoded_alone():
+    scheduler, executor = make_encoder(budget=64, encoder_budget=6)
+    add(scheduler, with_image("a", "aa"), with_image("b", "bb"))  # 8-token images > 6
+    steps = encoding_steps(scheduler, executor)
+    assert steps[0] == ({"a": 20, "b": 5}, ["aa"])
+    assert steps[1] == ({"a": 1, "b": 15}, ["bb"])
+
+
+def test_a_prefix_hit_inside_an_image_waits_for_encoder_room():
+    scheduler, executor = make_encoder(budget=64, encoder_budget=8, prefix=True)
+    scheduler.add_requests([with_image("a", "aa", offset=1, length=14, tail=1, max_tokens=1)])  # image [1,15)
+    encoding_steps(scheduler, executor)  # blocks [0,4) .. [8,12) cached: a later "aa" hits 12 tokens
+    add(scheduler, with_image("c", "cc", offset=0), with_image("d", "aa", offset=1, length=14, tail=1))
+    steps = encoding_steps(scheduler, executor)
+    assert steps[0] == ({"c": 15}, ["cc"])  # d's chunk would start inside "aa" (a hit of 12): no room, it waits
+    assert steps[1][1] == ["aa"] and steps[1][0]["d"] == 4

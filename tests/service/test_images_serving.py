@@ -1,13 +1,15 @@
 """Images over gRPC (issue 40): a tiny LLaVA folder with its processor saved in it, served end to end.
 
-One LLaVA service for the module (--limit-mm-per-prompt image=2). A chat whose user message has an image
+One LLaVA service for the module (--limit-mm-per-prompt image=2, two executors). A chat whose user message has an image
 part gives transformers' greedy `generate` on the same processor output, token for token; another
 image gives another answer; the same image again hits the prefix cache, another image does not;
 each bad image is INVALID_ARGUMENT naming `prompt.chat.messages[i].parts[j].image` before any
 work, and the service keeps serving. A text-only model refuses images (at the prompt worker).
 A tiny Gemma 3 served with 8-token chunks: its executor registers whole_image_chunks, so a chunk
 that would end inside an image's soft tokens is cut before it (the executor fails one that does
-not), and the answers equal transformers'.
+not), and the answers equal transformers'. An executor killed mid-stream of two image requests: they
+resume on the other one, still transformers' answers. A tiny Qwen2.5-VL served: its answers (two
+images of other grids and a text-only chat in one batch) equal transformers'.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import signal
 import struct
 import zlib
 
@@ -24,8 +27,8 @@ import torch
 from PIL import Image, ImageDraw
 
 from pagoda.v1 import generation_pb2 as pb
-from tests.service.harness import Service, collect
-from tests.vision_models import tiny_gemma3, tiny_llava
+from tests.service.harness import Service, collect, one_torch_thread
+from tests.vision_models import qwen_inputs, tiny_gemma3, tiny_llava, tiny_qwen2_5_vl
 
 MAX_TOKENS = 8
 TEMPLATE = (
@@ -73,7 +76,9 @@ def llava(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(scope="module")
 def svc(llava):
-    with Service(model=str(llava[0]), scheduler_args=["--limit-mm-per-prompt", "image=2"]) as service:
+    """Two executors of one torch thread each (they share the machine's cores), so the last test can kill one."""
+    scheduler_args = ["--limit-mm-per-prompt", "image=2", "--executor-timeout", "1.0"]
+    with Service(model=str(llava[0]), scheduler_args=scheduler_args, executor_args=["--num-threads", "1"], num_executors=2) as service:
         yield service
 
 
@@ -96,7 +101,7 @@ def image_chat(parts, before: str = "") -> pb.GenerateRequest:
     return req
 
 
-def reference(llava, images, question: str) -> list[int]:
+def reference(llava, images, question: str, max_tokens: int = MAX_TOKENS) -> list[int]:
     _, processor, model = llava
     content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
     text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
@@ -104,7 +109,7 @@ def reference(llava, images, question: str) -> list[int]:
     inputs = processor(text=[text], images=list(images), add_special_tokens=False, return_tensors="pt")
     kwargs = {k: v for k, v in inputs.items() if k != "attention_mask"}
     with torch.no_grad():
-        out = model.generate(**kwargs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+        out = model.generate(**kwargs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
@@ -367,6 +372,38 @@ def test_messages_count_tokens_with_an_image_is_the_prompt_generate_runs(svc):
         assert bad.status_code == 400 and "not an image" in bad.text, bad.text
 
 
+LONG = 120  # tokens: the streams are still running when one executor is killed
+
+
+def test_an_executor_killed_mid_stream_of_image_requests_resumes_them_exactly(svc, llava):
+    """Two image streams, one on each executor (least-loaded routing); SIGKILL one executor after a few
+    tokens: its stream moves to the survivor, which encodes the image again and recomputes prompt +
+    tokens so far, and each stream is transformers' answer, nothing lost or repeated. (The last test
+    of this service: one executor is left.)"""
+    from tests.service.test_failover import Stream, executor_id_of
+
+    pictures = {"wide": WIDE, "tall": TALL}
+    with one_torch_thread():  # (the service's processes share the cores)
+        expected = {name: reference(llava, [picture], "Tell me a long story.", LONG) for name, picture in pictures.items()}
+    streams = {}
+    for name, picture in pictures.items():
+        req = image_chat([encoded(picture), "Tell me a long story."])
+        req.stopping.max_tokens = LONG
+        streams[name] = Stream(svc.stub, name, request=req)
+    for stream in streams.values():
+        stream.wait_tokens(3)
+    busy = {e.executor_id for e in svc.server_info().executors if e.num_running > 0}
+    assert busy, f"the streams ended before the kill: {svc.server_info()}"
+    victim = next(p for p in svc.executors if any(executor_id_of(p) in f"-{b}" for b in busy))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    for name, stream in streams.items():
+        assert stream.result()["outputs"][0]["token_ids"] == expected[name], name
+    assert "moving its requests" in (svc.logdir / "scheduler.log").read_text()
+    info = svc.wait_all_blocks_free()
+    assert len(info.executors) == 1 and all(e.num_free_blocks == e.num_total_blocks for e in info.executors)
+
+
 def test_a_text_only_model_refuses_images(default_model_dir):
     from scheduler_svc.errors import InvalidArgument
     from scheduler_svc.prompts import PromptWorker
@@ -433,7 +470,6 @@ def test_qwen2_5_vl_prompts_are_what_its_processor_gives(tmp_path, default_model
     from pagoda.images import image_inputs
     from scheduler_svc.prompts import PromptWorker
     from scheduler_svc.tokenizer import load_tokenizer, read_model_spec
-    from tests.executor.test_images import qwen_inputs
 
     tokenizer = T.AutoTokenizer.from_pretrained(str(default_model_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]})
@@ -517,3 +553,42 @@ def test_gemma3_router_prompts_are_the_chat_paths(gemma3):
             processor.tokenizer.image_token_id)
     finally:
         worker.close()
+
+
+QWEN_VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def test_qwen2_5_vl_over_grpc_equals_transformers(tmp_path, default_model_dir):
+    """A tiny Qwen2.5-VL (dynamic resolution: the two images have other grids, so other token counts)
+    served end to end; two image chats in one batch and a text-only one each give transformers'
+    greedy tokens and their log-probabilities (3-D rotary positions, the windowed vision transformer)."""
+    (tokenizer, images), model = tiny_qwen2_5_vl(default_model_dir, tmp_path, TEMPLATE.replace("<image>", QWEN_VISION))
+    question = " what is it?"
+
+    def expected(picture) -> tuple[list[int], torch.Tensor]:
+        content = [{"type": "text", "text": "Look: "}, *([{"type": "image"}] if picture else []), {"type": "text", "text": question}]
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+        before, after = text.split(QWEN_VISION) if picture else (text, "")
+        inputs = qwen_inputs(tokenizer, images, model.config, before, picture, after)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        tokens = out.sequences[0, inputs["input_ids"].shape[1]:]
+        logprobs = torch.stack([step[0].float().log_softmax(-1)[t] for step, t in zip(out.logits, tokens)])
+        return tokens.tolist(), logprobs
+
+    pictures = {"wide": WIDE, "tall": TALL, "text": None}
+    references = {name: expected(picture) for name, picture in pictures.items()}
+    assert not torch.allclose(references["wide"][1], references["tall"][1], atol=1e-3)  # the image matters
+    with Service(model=str(tmp_path)) as service:
+        calls = {}
+        for name, p in pictures.items():  # (all three in flight at once)
+            req = image_chat(["Look: ", *([encoded(p)] if p else []), question])
+            req.response.logprobs = True
+            calls[name] = service.stub.Generate(req, timeout=300)
+        for name, call in calls.items():
+            out = collect(call)["outputs"][0]
+            tokens, logprobs = references[name]
+            assert out["token_ids"] == tokens, name
+            got = torch.tensor([lp.logprob for lp in out["logprobs"]])
+            torch.testing.assert_close(got, logprobs, atol=1e-4, rtol=0, msg=name)
