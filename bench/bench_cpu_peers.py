@@ -135,15 +135,20 @@ class Streamed:
 
 
 class Pagoda(Streamed):
-    def __init__(self, dtype: str, threads: int, scheduler_args: list[str], executor_args: list[str] = ()) -> None:
+    def __init__(self, dtype: str, threads: int, scheduler_args: list[str], executor_args: list[str] = (),
+                 model: str | None = None) -> None:
         from tests.service.harness import Service
 
         self.dtype, self.executor_args = dtype, list(executor_args)
-        self.svc = Service(scheduler_args=scheduler_args,
+        self.svc = Service(model=model, scheduler_args=scheduler_args,
                            executor_args=["--dtype", dtype, "--num-threads", str(threads), *executor_args])
 
     def __enter__(self):
-        self.svc.start()
+        try:
+            self.svc.start()
+        except BaseException:  # a service that does not come up: its processes stop with the error
+            self.svc.stop()
+            raise
         return self
 
     def __exit__(self, *exc):
@@ -275,12 +280,12 @@ class LlamaCpp(HttpServer):
 
     name, path = "llama.cpp", "/completion"
 
-    def __init__(self, binary: str, threads: int, slots: int) -> None:
+    def __init__(self, binary: str, threads: int, slots: int, model: str | None = None) -> None:
         from pagoda import model_files
         from tests.service.harness import free_port
 
         port = free_port()
-        self.gguf = model_files.default_gguf_path()
+        self.gguf = Path(model) if model else model_files.default_gguf_path()
         cmd = [binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                "-tb", str(threads), "-np", str(slots), "-c", str(slots * MAX_MODEL_LEN), "--no-webui"]
         super().__init__(cmd, {}, port, start_timeout_s=120)

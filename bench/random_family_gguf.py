@@ -41,16 +41,31 @@ def gemma3_config():
     )
 
 
+def copy_tokenizer(out: Path) -> None:
+    """The default model's tokenizer files into the Hugging Face folder `out` (no hub access)."""
+    tokenizer_dir = model_files.resolve_model(None, weights=False)
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).exists():
+            shutil.copy(Path(tokenizer_dir) / name, out / name)
+
+
 def build_hf(out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(gemma3_config(), dtype=torch.float32)
     model.save_pretrained(out)
-    tokenizer_dir = model_files.resolve_model(None, weights=False)
-    for name in TOKENIZER_FILES:
-        if (Path(tokenizer_dir) / name).exists():
-            shutil.copy(Path(tokenizer_dir) / name, out / name)
+    copy_tokenizer(out)
+    return out
+
+
+def convert(llama_cpp: Path, hf_dir: Path, f16: Path, out: Path, ggml_type: str) -> Path:
+    """`hf_dir` -> `f16` (llama.cpp's `convert_hf_to_gguf.py`) -> `out` (`llama-quantize` to `ggml_type`)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(llama_cpp / "gguf-py"), os.environ.get("PYTHONPATH")]))}
+    if not f16.exists():
+        subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f16",
+                        "--outfile", str(f16)], check=True, env=env)
+    subprocess.run([str(llama_cpp / "build/bin/llama-quantize"), str(f16), str(out), ggml_type], check=True)
     return out
 
 
@@ -63,11 +78,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     hf_dir = build_hf(args.out / "hf")
     f16 = args.out / "gemma3-270m-shape-random.f16.gguf"
-    env = {**os.environ, "PYTHONPATH": str(args.llama_cpp / "gguf-py")}
-    subprocess.run([sys.executable, str(args.llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f16",
-                    "--outfile", str(f16)], check=True, env=env)
-    out = args.out / f"gemma3-270m-shape-random.{args.type}.gguf"
-    subprocess.run([str(args.llama_cpp / "build/bin/llama-quantize"), str(f16), str(out), args.type], check=True)
+    out = convert(args.llama_cpp, hf_dir, f16, args.out / f"gemma3-270m-shape-random.{args.type}.gguf", args.type)
     print(out)
 
 
