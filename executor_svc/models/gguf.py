@@ -27,7 +27,10 @@ loading) into float parameters by its Hugging Face name, placed by the safetenso
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,4 +231,33 @@ def segments(parts: list, arch: str, config) -> list[tuple[int, torch.Tensor]]:
             runs[-1][1].append(rows)
         else:
             runs.append((int(t.tensor_type), [rows]))
-    return [(ggml_type, packed_rows(rows)) for ggml_type, rows in runs]
+    out = [(ggml_type, packed_rows(rows)) for ggml_type, rows in runs]
+    for t in parts:
+        release_mapped_pages(t.data)
+    return out
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4  # <sys/mman.h>, Linux
+
+
+def release_mapped_pages(array: np.ndarray) -> None:
+    """Drop the pages of `array`, a view of a GGUF reader's read-only file mapping, from this process once its
+    blocks are copied (a later read maps them again from the page cache). Without it a loading model's
+    resident size is the file twice: every page of the mapping it has read, plus the copies.
+    Anything that is not inside a file mapping (an unpermuted copy, anonymous memory) is left alone."""
+    base = array
+    while base is not None and not isinstance(base, np.memmap):
+        base = base.base
+    if base is None or sys.platform != "linux" or getattr(base, "_mmap", None) is None:
+        return
+    lo, hi = base.ctypes.data, base.ctypes.data + base.nbytes
+    start, end = array.ctypes.data, array.ctypes.data + array.nbytes
+    if not (lo <= start and end <= hi):
+        return
+    first = (start // _PAGE) * _PAGE
+    if first < lo - lo % _PAGE:
+        return
+    length = ((min(end, hi) - first) // _PAGE) * _PAGE  # (a last partial page stays mapped)
+    if length > 0:
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_DONTNEED)
