@@ -39,6 +39,19 @@ _POOLING = {"mean": 1, "cls": 2, "lasttoken": 3}  # gguf.PoolingType
 _FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # gguf.LlamaFileType of the converter's --outtype
 
 
+def add_special_ids(w, tok, bos: int, eos: int, add_sep: bool) -> None:
+    """The special token ids and flags the converter writes for an encoder's tokenizer."""
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_unk_token_id(tok.unk_token_id)
+    w.add_sep_token_id(tok.sep_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_mask_token_id(tok.mask_token_id)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_add_sep_token(add_sep)
+
+
 def bert_folder(root: Path, seed: int) -> Path:
     """A random BertModel with a WordPiece tokenizer whose ids run 0..n-1 (as the converter checks)."""
     import transformers as T
@@ -95,15 +108,7 @@ def write_bert_gguf(folder: Path, out: Path, outtype: str = "F32") -> Path:
             types.append(gguf.TokenType.NORMAL)
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_bos_token_id(tok.cls_token_id)
-    w.add_eos_token_id(tok.sep_token_id)
-    w.add_unk_token_id(tok.unk_token_id)
-    w.add_sep_token_id(tok.sep_token_id)
-    w.add_pad_token_id(tok.pad_token_id)
-    w.add_mask_token_id(tok.mask_token_id)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(True)
-    w.add_add_sep_token(False)
+    add_special_ids(w, tok, tok.cls_token_id, tok.sep_token_id, add_sep=False)
     w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config.num_hidden_layers)
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
@@ -439,15 +444,7 @@ def write_xlmr_gguf(folder: Path, out: Path, from_spm: bool = False) -> Path:
     w.add_token_type_count(config.type_vocab_size)
     w.add_remove_extra_whitespaces(True if from_spm else tok.clean_up_tokenization_spaces)
     w.add_precompiled_charsmap(base64.b64decode(tok_json["normalizer"]["precompiled_charsmap"]))
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_unk_token_id(tok.unk_token_id)
-    w.add_sep_token_id(tok.sep_token_id)
-    w.add_pad_token_id(tok.pad_token_id)
-    w.add_mask_token_id(tok.mask_token_id)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(True)
-    w.add_add_sep_token(True)
+    add_special_ids(w, tok, tok.bos_token_id, tok.eos_token_id, add_sep=True)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config.num_hidden_layers)
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         name = name.removeprefix("roberta.")
