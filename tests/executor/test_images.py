@@ -303,3 +303,78 @@ def test_qwen2_5_vl_images_equal_transformers_with_3d_rotary_positions(qwen2_5_v
     for name in IMAGES:
         assert_equal_to_reference(outputs, rows, name, expected[name])
     assert_equal_to_reference(outputs, rows, "text", reference(model, text))
+
+
+def test_llava_beam_search_and_a_constraint_through_an_image(llava):
+    """Beam search over an image request (its beams forked in the core scheduler, each carrying the image)
+    equals transformers' `generate(num_beams=3)` on the same pixels; a choice constraint on an image
+    request equals transformers' generate with xgrammar's logits processor. Both beside the same request
+    with the other image, whose answer differs."""
+    import xgrammar as xgr
+
+    from pagoda.constraint import Constraint
+    from pagoda.step import SamplingParams
+    from scheduler_svc.beam_search import BeamSearch, BeamSearchParams, apply_beam_step
+    from scheduler_svc.core import Request, Scheduler, SchedulerConfig
+
+    model_dir, processor, model = llava
+    runner = runner_of(model_dir)
+    image_id = processor.image_token_id
+    inputs = {name: processed(processor, PROMPT, IMAGES[name]) for name in IMAGES}
+    prompts = {name: inputs[name]["input_ids"][0].tolist() for name in IMAGES}
+    config = SchedulerConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=runner.max_model_len,
+                             kv_cache_groups=runner.kv_cache_groups, max_num_batched_tokens=256)
+    width, n, max_tokens = 3, 2, 5
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, n=n, vocab_size=runner.vocab_size)
+    scheduler = Scheduler(config)
+    searches = {name: BeamSearch(name, prompts[name], params, images=image_inputs(inputs[name], image_id)) for name in IMAGES}
+    for search in searches.values():
+        scheduler.add_requests([search.root()])
+    for _ in range(200):
+        if not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule()
+        for update in scheduler.update_from_output(plan, runner.execute(plan)):
+            for search in searches.values():
+                if update.sampled is not None and update.req_id in search.live_req_ids:
+                    beam_step = search.on_sampled(update.sampled)
+                    if beam_step is not None:
+                        apply_beam_step(scheduler, beam_step)
+        runner.check_encoder_cache()
+    runner.execute(scheduler.schedule())  # the finished beams' state dropped
+    best = {}
+    for name, search in searches.items():
+        kwargs = {k: v for k, v in inputs[name].items() if k != "attention_mask"}
+        with torch.no_grad():
+            rows = model.generate(**kwargs, num_beams=width, num_return_sequences=n, do_sample=False, max_new_tokens=max_tokens,
+                                  min_new_tokens=max_tokens)
+        best[name] = [list(h.output_token_ids) for h in search.best()]
+        assert best[name] == [row[len(prompts[name]):].tolist() for row in rows], name
+    assert best["wide"] != best["tall"]
+
+    tokenizer = processor.tokenizer
+    choices = ("a red ellipse on a field", "blue lines", "a circle", "nothing")
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=runner.vocab_size)
+    grammar = "root ::= " + " | ".join(f'"{c}"' for c in choices)
+    constraint = Constraint.choice(choices)
+    runner.structured.defer = False  # the step waits for its grammar (no re-admission loop here)
+    eos = model.generation_config.eos_token_id
+    eos = frozenset([eos] if isinstance(eos, int) else eos)
+    scheduler = Scheduler(config)
+    requests = {name: Request(f"c-{name}", prompts[name], SamplingParams(temperature=0.0, constraint=constraint, stop_token_ids=tuple(eos)),
+                              max_tokens=12, eos_token_ids=eos,
+                              images=image_inputs(inputs[name], image_id)) for name in IMAGES}
+    for request in requests.values():  # (one call each: a list is the `n` siblings of one request)
+        scheduler.add_requests([request])
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        scheduler.update_from_output(plan, runner.execute(plan))
+    runner.execute(scheduler.schedule())
+    for name, request in requests.items():
+        kwargs = {k: v for k, v in inputs[name].items() if k != "attention_mask"}
+        processor_ = xgr.contrib.hf.LogitsProcessor(xgr.GrammarCompiler(info).compile_grammar(grammar))
+        with torch.no_grad():
+            out = model.generate(**kwargs, max_new_tokens=12, do_sample=False, logits_processor=[processor_])
+        assert request.output_token_ids == out[0, len(prompts[name]):].tolist(), name
+        assert tokenizer.decode(request.output_token_ids, skip_special_tokens=True) in choices
+    assert not runner.requests and runner.encoder_cache.num_rows == 0
