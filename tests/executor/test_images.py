@@ -305,11 +305,11 @@ def test_qwen2_5_vl_images_equal_transformers_with_3d_rotary_positions(qwen2_5_v
     assert_equal_to_reference(outputs, rows, "text", reference(model, text))
 
 
-def test_llava_beam_search_and_a_constraint_through_an_image(llava):
+def test_llava_beam_search_a_constraint_and_n_through_an_image(llava):
     """Beam search over an image request (its beams forked in the core scheduler, each carrying the image)
     equals transformers' `generate(num_beams=3)` on the same pixels; a choice constraint on an image
-    request equals transformers' generate with xgrammar's logits processor. Both beside the same request
-    with the other image, whose answer differs."""
+    request equals transformers' generate with xgrammar's logits processor; `n` = 2 greedy siblings each
+    equal its greedy. Each beside the same request with the other image, whose answer differs."""
     import xgrammar as xgr
 
     from pagoda.constraint import Constraint
@@ -377,4 +377,20 @@ def test_llava_beam_search_and_a_constraint_through_an_image(llava):
             out = model.generate(**kwargs, max_new_tokens=12, do_sample=False, logits_processor=[processor_])
         assert request.output_token_ids == out[0, len(prompts[name]):].tolist(), name
         assert tokenizer.decode(request.output_token_ids, skip_special_tokens=True) in choices
+    assert not runner.requests and runner.encoder_cache.num_rows == 0
+
+    # `n` = 2 of each image request (siblings: the follower forks the leader's prompt blocks, image rows included)
+    scheduler = Scheduler(config)
+    siblings = {name: [Request(f"n{i}-{name}", prompts[name], SamplingParams(temperature=0.0), max_tokens=MAX_TOKENS,
+                               eos_token_ids=frozenset(), images=image_inputs(inputs[name], image_id)) for i in range(2)]
+                for name in IMAGES}
+    for group in siblings.values():
+        scheduler.add_requests(group)
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        scheduler.update_from_output(plan, runner.execute(plan))
+    runner.execute(scheduler.schedule())
+    for name, group in siblings.items():
+        want = reference(model, inputs[name])[0]
+        assert [r.output_token_ids for r in group] == [want, want], name
     assert not runner.requests and runner.encoder_cache.num_rows == 0
