@@ -51,7 +51,8 @@ gc.collect()
 after = rss()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 types = sorted({t for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj) for t in m.types})
-print(json.dumps({"before": before, "after": after, "peak": peak, "anon_growth_peak": peak_anon - before_anon,
+hwm = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024  # this process's own
+print(json.dumps({"before": before, "after": after, "peak": peak, "hwm": hwm, "anon_growth_peak": peak_anon - before_anon,
                   "weights": weight_bytes(model), "types": types, "head": model.lm_head.types}))
 """
 
@@ -118,5 +119,7 @@ def test_7b_shaped_q4_0_model_fits_its_file_size(tmp_path):
     assert r["anon_growth_peak"] < 1.4 * file_bytes, (r, file_bytes)
     # Nor the file twice: each tensor's mapped pages are dropped once its blocks are copied
     # (models.gguf.release_mapped_pages), so the peak of all resident memory is the copy plus
-    # the pages the load is reading: 1.42x measured alone (2.23x before: every page of the file stayed mapped).
-    assert r["peak"] - r["before"] < 1.6 * file_bytes, (r, file_bytes)
+    # the pages the load is reading: 1.42x measured (2.23x before: every page of the file stayed mapped).
+    # (VmHWM, the peak of this process's own memory map: ru_maxrss keeps the pytest process's peak
+    # across the fork and exec, 3.2 GB in a full test run.)
+    assert r["hwm"] - r["before"] < 1.6 * file_bytes, (r, file_bytes)
