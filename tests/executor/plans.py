@@ -170,3 +170,25 @@ def run_with_scheduler(runner, scheduler, max_steps: int = 10_000) -> int:
         if not scheduler.has_unfinished() and not scheduler.pending_finished_req_ids:
             return num_steps + 1
     raise AssertionError(f"not done after {max_steps} steps")
+
+
+def run_beam_searches(runner, scheduler, searches, on_step=None, max_steps: int = 500) -> None:
+    """Drive `runner` with the core `scheduler` until the beam `searches` (scheduler_svc.beam_search.BeamSearch,
+    their roots added) are done: each sampled token to its search, each generation's forks applied;
+    `on_step()` after every step. The finished beams' state is dropped from the runner at the end."""
+    from scheduler_svc.beam_search import apply_beam_step
+
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule()
+        for update in scheduler.update_from_output(plan, runner.execute(plan)):
+            for search in searches:
+                if update.sampled is not None and update.req_id in search.live_req_ids:
+                    beam_step = search.on_sampled(update.sampled)
+                    if beam_step is not None:
+                        apply_beam_step(scheduler, beam_step)
+        if on_step is not None:
+            on_step()
+    runner.execute(scheduler.schedule())
+    assert all(search.done for search in searches) and not runner.requests

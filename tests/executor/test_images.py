@@ -21,7 +21,7 @@ from pagoda import wire
 from pagoda.images import image_inputs as images_of
 from pagoda.step import ImageInput, ImageTensor, KVCacheGroupSpec
 from pagoda.v1 import executor_pb2 as pb
-from tests.executor.plans import PlanBuilder, run_to_completion
+from tests.executor.plans import PlanBuilder, run_beam_searches, run_to_completion
 from tests.vision_models import qwen_inputs, tiny_gemma3, tiny_llava, tiny_qwen2_5_vl
 
 MAX_TOKENS = 6
@@ -314,7 +314,7 @@ def test_llava_beam_search_a_constraint_and_n_through_an_image(llava):
 
     from pagoda.constraint import Constraint
     from pagoda.step import SamplingParams
-    from scheduler_svc.beam_search import BeamSearch, BeamSearchParams, apply_beam_step
+    from scheduler_svc.beam_search import BeamSearch, BeamSearchParams
     from scheduler_svc.core import Request, Scheduler, SchedulerConfig
 
     model_dir, processor, model = llava
@@ -330,18 +330,7 @@ def test_llava_beam_search_a_constraint_and_n_through_an_image(llava):
     searches = {name: BeamSearch(name, prompts[name], params, images=image_inputs(inputs[name], image_id)) for name in IMAGES}
     for search in searches.values():
         scheduler.add_requests([search.root()])
-    for _ in range(200):
-        if not scheduler.has_unfinished():
-            break
-        plan = scheduler.schedule()
-        for update in scheduler.update_from_output(plan, runner.execute(plan)):
-            for search in searches.values():
-                if update.sampled is not None and update.req_id in search.live_req_ids:
-                    beam_step = search.on_sampled(update.sampled)
-                    if beam_step is not None:
-                        apply_beam_step(scheduler, beam_step)
-        runner.check_encoder_cache()
-    runner.execute(scheduler.schedule())  # the finished beams' state dropped
+    run_beam_searches(runner, scheduler, searches.values(), on_step=runner.check_encoder_cache)
     best = {}
     for name, search in searches.items():
         kwargs = {k: v for k, v in inputs[name].items() if k != "attention_mask"}

@@ -20,7 +20,7 @@ from executor_svc.lora import LoraError, LoraState
 from executor_svc.model_runner import ModelRunner
 from pagoda.step import SamplingParams, StepPlan
 from scheduler_svc.core import Request, Scheduler, SchedulerConfig
-from tests.executor.plans import PlanBuilder, run_to_completion, run_with_scheduler
+from tests.executor.plans import PlanBuilder, run_beam_searches, run_to_completion, run_with_scheduler
 from tests.executor.test_model_runner import hf_greedy
 from tests.model_families import build_family, load_reference
 
@@ -437,7 +437,7 @@ def test_beam_search_and_a_constraint_run_through_the_adapter(tmp_path, default_
     JSON schema and a choice constraint on an adapter's request beside the base's: the best beams equal
     `PeftModel.generate(num_beams=3)`'s and the base's `generate`'s, the constrained greedy tokens
     transformers + xgrammar's processor on each model."""
-    from scheduler_svc.beam_search import BeamSearch, BeamSearchParams, apply_beam_step
+    from scheduler_svc.beam_search import BeamSearch, BeamSearchParams
     from tests.structured_reference import CASES, Reference
 
     base, a, _ = family_adapters("llama", tmp_path, default_model_dir)
@@ -454,19 +454,7 @@ def test_beam_search_and_a_constraint_run_through_the_adapter(tmp_path, default_
     searches = {lora: BeamSearch(f"beams-{lora or 'base'}", prompt, params, lora=lora) for lora in models}
     for search in searches.values():
         scheduler.add_requests([search.root()])
-    for _ in range(500):
-        if not scheduler.has_unfinished():
-            break
-        plan = scheduler.schedule()
-        for update in scheduler.update_from_output(plan, runner.execute(plan)):
-            for search in searches.values():
-                if update.sampled is not None and update.req_id in search.live_req_ids:
-                    beam_step = search.on_sampled(update.sampled)
-                    if beam_step is not None:
-                        apply_beam_step(scheduler, beam_step)
-        scheduler.check_integrity()
-    runner.execute(scheduler.schedule())  # drop the finished beams' state
-    assert not runner.requests
+    run_beam_searches(runner, scheduler, searches.values(), on_step=scheduler.check_integrity)
     best = {}
     for lora, search in searches.items():
         assert search.done
