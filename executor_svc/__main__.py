@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_bool_flag(
         p, "--gguf-int8-activations", default=False,
-        help="with a .gguf model on a CPU with AVX-512 VNNI: a decode of one request multiplies Q5_0, Q4_K and Q6_K "
+        help="with a .gguf model on a CPU with AVX2: a decode of one request multiplies Q5_0, Q4_K and Q6_K "
         "weights by x rounded to int8 per 32 values, as llama.cpp does (faster; not transformers' float32 numbers)",
     )
     add_flag(p, "--num-threads", type=int, default=None, help="torch CPU threads (default: one per physical core; idle threads sleep)")
@@ -141,7 +141,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
 
         kernel = get_kernel()
         if kernel is None or not kernel.int8_activations_supported:
-            raise StartupError("--gguf-int8-activations needs the GGUF kernel's AVX-512 VNNI loop, which this CPU "
+            raise StartupError("--gguf-int8-activations needs the GGUF kernel's AVX2 int8 loops, which this CPU "
                                "or compiler does not have")
     logging.getLogger(__name__).info("backend options: %s", backend.describe())
     if args.kv_cache_dtype != "auto" and _cuda_available(args.device):  # refused here, not at the first step

@@ -49,7 +49,7 @@ class BackendOptions:
     # prefill; 2 bytes a weight more), instead of dequantizing a tile per call
     gguf_bf16_weights: bool = False
     # opt-in, changes the numbers: Q5_0, Q4_K, Q6_K weights against one row of x (a decode of one request) with x
-    # rounded to int8 per block of 32, multiplied as bytes (AVX-512 VNNI), as llama.cpp computes every GGUF type
+    # rounded to int8 per block of 32, multiplied as bytes (AVX2, or AVX-512 VNNI), as llama.cpp computes every GGUF type
     gguf_int8_activations: bool = False
 
     def __post_init__(self) -> None:
@@ -152,7 +152,7 @@ class Backend:
 
             kernel = get_kernel()
             if kernel.set_int8_activations(self.options.gguf_int8_activations) != self.options.gguf_int8_activations:
-                raise ValueError("gguf_int8_activations (--gguf-int8-activations) needs a CPU with AVX-512 VNNI")
+                raise ValueError("gguf_int8_activations (--gguf-int8-activations) needs a CPU with AVX2")
         for module in model.modules():
             if isinstance(module, GGUFLinear):
                 if self.options.gguf_bf16_weights and module is not lookups_only:

@@ -76,7 +76,7 @@ class GGUFKernel:
         """Opt-in int8 activations (`--gguf-int8-activations`): from now on a Q5_0, Q4_K or Q6_K matmul against one
         row of x rounds x to int8 per block of 32 and multiplies bytes, as llama.cpp does (faster, not the
         float32 numbers: see gguf_avx512.h); every other type and shape keeps float32 x. Returns
-        whether it is in effect (off: this build has no AVX-512 VNNI loop). Process-wide, as the
+        whether it is in effect (off: this build has no AVX2 int8 loop). Process-wide, as the
         kernel is: a Backend sets it from its options."""
         self.int8_activations = bool(self._lib.gguf_set_int8_activations(int(on)))
         return self.int8_activations

@@ -329,7 +329,7 @@ def test_gguf_int8_activations_quality_bound_at_one_row(tmp_path, default_model_
     benchmarks, Q5_0 and Q4_K layers, one decode step: max 0.033, mean 0.006.)"""
     kernel = get_kernel()
     if kernel is None or not kernel.int8_activations_supported:
-        pytest.skip("no AVX-512 VNNI loop in this build of the GGUF kernel")
+        pytest.skip("no int8 loop in this build of the GGUF kernel (no AVX2)")
     from executor_svc.backend import BackendOptions
     from tests.executor.test_quantized_runner import _teacher_forced_logprobs
 

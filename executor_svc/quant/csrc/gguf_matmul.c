@@ -50,11 +50,19 @@
 #define GGUF_AVX512 0
 #endif
 
-/* AVX-512 VNNI too: Q5_0, Q4_K and Q6_K against one row of x may take int8 activations (gguf_set_int8_activations). */
+/* AVX-512 VNNI too: Q5_0 against one row of x takes x as three int8 digits (gguf_set_digit_activations). */
 #if GGUF_AVX512 && defined(__AVX512VNNI__)
 #define GGUF_VNNI 1
 #else
 #define GGUF_VNNI 0
+#endif
+
+/* Q5_0, Q4_K and Q6_K against one row of x may take int8 activations (gguf_set_int8_activations): the
+ * vpdpbusd loops of gguf_avx512.h where the CPU has AVX-512 VNNI, else their AVX2 form (gguf_avx2_q8.h),
+ * the same integers and float operations. */
+#define GGUF_INT8 GGUF_SIMD
+#if GGUF_SIMD && !GGUF_VNNI
+#include "gguf_avx2_q8.h"
 #endif
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -89,12 +97,14 @@ typedef struct {
 /* The int8 activations of the job in flight (one caller at a time), and whether they are asked for; whether
  * a Q5_0 matmul at one row of x takes x as digits (digits_x in gguf_avx512.h: on unless switched off). */
 static int g_int8_x, g_digits_x = GGUF_VNNI;
-#if GGUF_VNNI
+#if GGUF_INT8
 static int8_t g_xq[MAX_K];
 static float g_xd[MAX_K / 32];
 static int32_t g_xc[MAX_K / 32];
 static float g_xs[MAX_K / 32];
 static int32_t g_x4[MAX_K / 4];
+#endif
+#if GGUF_VNNI
 static int8_t g_xd3[3 * MAX_K];
 static float g_xsc[MAX_K / 4];
 static int32_t g_xoff[MAX_K / 4];
@@ -153,13 +163,9 @@ INLINE void group_tile_512(const int type, const job_t *j, const float *x, const
 INLINE void tiles(const int type, const job_t *j, const int64_t n0, const int64_t n1) {
     const int simple = type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0 || type == I8_ROW;
     int64_t m0 = 0;
-#if GGUF_VNNI
+#if GGUF_INT8
     if (type == GGML_Q5_0 && j->q8) {
         rows_q5_0_q8(j->w, j->row_bytes, j->K, g_xq, g_xd, g_xc, j->y, n0, n1);
-        return;
-    }
-    if (type == GGML_Q5_0 && j->d3) {
-        rows_q5_0_d3(j->w, j->row_bytes, j->K, g_xd3, g_xsc, g_xoff, j->y, n0, n1);
         return;
     }
     if (type == GGML_Q4_K && j->q8) {
@@ -168,6 +174,12 @@ INLINE void tiles(const int type, const job_t *j, const int64_t n0, const int64_
     }
     if (type == GGML_Q6_K && j->q8) {
         rows_q6_k_q8(j->w, j->row_bytes, j->K, g_xq, g_xd, g_x4, j->y, n0, n1);
+        return;
+    }
+#endif
+#if GGUF_VNNI
+    if (type == GGML_Q5_0 && j->d3) {
+        rows_q5_0_d3(j->w, j->row_bytes, j->K, g_xd3, g_xsc, g_xoff, j->y, n0, n1);
         return;
     }
 #endif
@@ -387,9 +399,9 @@ int gguf_avx512(void) { return GGUF_AVX512; }
 
 /* Opt-in int8 activations (on != 0): Q5_0, Q4_K and Q6_K weights against one row of x round x to int8
  * per block of 32 and multiply bytes (gguf_avx512.h); every other type and shape keeps float32 x. Returns
- * whether it is in effect (this build has AVX-512 VNNI). */
+ * whether it is in effect (this build has AVX2, or AVX-512 VNNI). */
 int gguf_set_int8_activations(const int on) {
-    g_int8_x = GGUF_VNNI && on != 0;
+    g_int8_x = GGUF_INT8 && on != 0;
     return g_int8_x;
 }
 
@@ -414,8 +426,10 @@ void gguf_matmul_strided(const int type, const uint8_t *w, const int64_t row_byt
     /* (x's integer forms live in arrays of MAX_K values: a longer row keeps float32 x) */
     const int q8 = g_int8_x && M == 1 && K <= MAX_K && (type == GGML_Q5_0 || type == GGML_Q4_K || type == GGML_Q6_K);
     const int d3 = !q8 && g_digits_x && M == 1 && K <= MAX_K && type == GGML_Q5_0;
-#if GGUF_VNNI
+#if GGUF_INT8
     if (q8) quantize_x_q8(x, K, g_xq, g_xd, g_xc, g_xs, g_x4);
+#endif
+#if GGUF_VNNI
     if (d3) digits_x(x, K, g_xd3, g_xsc, g_xoff);
 #endif
     g_job = (job_t){.type = type, .w = w, .row_bytes = row_bytes, .K = K, .M = M, .N = N, .ldy = ldy, .x = x, .xs = xs,

@@ -1,0 +1,184 @@
+/* Int8 activations (`--gguf-int8-activations`) on a CPU with AVX2 but without AVX-512 VNNI: the loops of
+ * gguf_avx512.h's int8 section, with vpdpbusd (4 byte products summed into each int32 lane) written as
+ * vpmaddubsw + vpmaddwd, as llama.cpp's AVX2 loops do. The lanes hold the same integers (no int16
+ * saturation: the unsigned operand is a quant of at most 6 bits, |x| <= 127, so a pair's sum is at most
+ * 2 * 63 * 127 < 32767), and for Q5_0 and Q4_K the float operations are the same in the same order, so
+ * an AVX2 build gives the bits the VNNI build gives. Q6_K scales its lanes by the sub-blocks' integer
+ * scales instead (vpmaddwd; one float multiply a block of 32, not two: on the
+ * 1B's ffn_down, 2 threads of an AVX2 EPYC, 10.2 -> 16.6 GB/s of weights), the same integers before the last float rounding. Same formats: x rounded to int8 per
+ * block of 32, scale max|x| / 127. */
+#ifndef PAGODA_GGUF_AVX2_Q8_H
+#define PAGODA_GGUF_AVX2_Q8_H
+
+#include "gguf_avx2.h"
+
+/* vpdpbusd(acc, u, s) on AVX2: acc + the sums of each 4 adjacent products u (unsigned bytes) * s (signed). */
+INLINE __m256i dot4_add(const __m256i acc, const __m256i u, const __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+INLINE float hsum256(const __m256 v) { return hsum(v); }
+
+INLINE float hmax256(const __m256 v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* x [K] -> xq, xd, xc and xs exactly as gguf_avx512.h's quantize_x_q8 makes them; in x4's place, Q6_K's
+ * offset for rows_q6_k_q8 below: [K / 2] int16, -32 times each 2 int8 x's sum. */
+INLINE void quantize_x_q8(const float *restrict x, const int64_t K, int8_t *restrict xq, float *restrict xd,
+                          int32_t *restrict xc, float *restrict xs, int32_t *restrict x4) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < K / QK; ++b) {
+        const float *xb = x + QK * b;
+        __m256 a[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            a[i] = _mm256_loadu_ps(xb + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[i]));
+        }
+        const float amax = hmax256(m);
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv));
+        /* packs interleave the 128-bit halves; the permute puts the 32 bytes back in x's order */
+        const __m256i xv = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        _mm256_storeu_si256((__m256i *)(xq + QK * b), xv);
+        /* a NaN or infinity in the block makes its scale NaN (see gguf_avx512.h) */
+        const float sum = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+        uint32_t bits;
+        memcpy(&bits, &sum, 4);
+        xd[b] = (bits & 0x7F800000u) == 0x7F800000u ? __builtin_nanf("") : amax / 127.f;
+        const __m256i sums4 = dot4_add(_mm256_setzero_si256(), ones, xv);
+        const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(sums4), _mm256_extracti128_si256(sums4, 1));
+        const __m128i s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, _MM_SHUFFLE(1, 0, 3, 2)));
+        const int32_t qsum = _mm_cvtsi128_si32(_mm_add_epi32(s1, _mm_shuffle_epi32(s1, _MM_SHUFFLE(2, 3, 0, 1))));
+        xc[b] = -16 * qsum;
+        xs[b] = xd[b] * (float)qsum;
+        _mm256_storeu_si256((__m256i *)(x4 + 8 * b), _mm256_maddubs_epi16(_mm256_set1_epi8(32), _mm256_sign_epi8(xv, _mm256_set1_epi8(-1))));
+    }
+}
+
+/* A Q5_0 block's 32 quants as unsigned bytes 0-31, weight i in byte i. */
+INLINE __m256i q5_0_bytes(const uint8_t *restrict blk) {
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6));
+    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(nib, _mm256_and_si256(bytes_from_bits(blk + 2), _mm256_set1_epi8(0x10)));
+}
+
+INLINE void tile_q5_0_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t nb,
+                         const int8_t *restrict xq, const float *restrict xd, const int32_t *restrict xc,
+                         float *restrict y, const int64_t n, const int64_t n1, const int R) {
+    __m256 acc[4];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) prefetch_ahead(w + (n + r) * row_bytes, row_bytes, n + r, n1);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + QK * b));
+        const __m256i start = _mm256_setr_epi32(xc[b], 0, 0, 0, 0, 0, 0, 0);
+        const float dx = xd[b];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t *blk = w + (n + r) * row_bytes + 22 * b;
+            const __m256i dot = dot4_add(start, q5_0_bytes(blk), xv);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(fp16(blk) * dx), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) y[n + r] = hsum256(acc[r]);
+}
+
+INLINE void rows_q5_0_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t K, const int8_t *restrict xq,
+                         const float *restrict xd, const int32_t *restrict xc, float *restrict y, const int64_t n0,
+                         const int64_t n1) {
+    const int64_t nb = K / QK;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) tile_q5_0_q8(w, row_bytes, nb, xq, xd, xc, y, n, n1, 4);
+    for (; n < n1; ++n) tile_q5_0_q8(w, row_bytes, nb, xq, xd, xc, y, n, n1, 1);
+}
+
+/* Q4_K: a sub-block of 32 4-bit quants against a block of x, its scale d sc times x's; the mins
+ * (-dmin m) against the blocks' sums of the rounded x. */
+INLINE void rows_q4_k_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t K, const int8_t *restrict xq,
+                         const float *restrict xd, const float *restrict xs, float *restrict y, const int64_t n0,
+                         const int64_t n1) {
+    const int64_t ng = K / QK_K;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    group_t G;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *row = w + n * row_bytes;
+        prefetch_ahead(row, row_bytes, n, n1);
+        __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; ++g) {
+            decode_group(GGML_Q4_K, row, g, K, &G, 0);
+            const uint8_t *ql = row + g * 144 + 16;
+            const int64_t b0 = g * 8;
+            for (int j = 0; j < 4; ++j) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
+                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                const int64_t b = b0 + 2 * j;
+                const __m256i xlo = _mm256_loadu_si256((const __m256i *)(xq + QK * b));
+                const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xq + QK * b + QK));
+                const __m256i dlo = dot4_add(zero, lo, xlo), dhi = dot4_add(zero, hi, xhi);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_set1_ps(G.scale[2 * j] * xd[b]), acc);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_set1_ps(G.scale[2 * j + 1] * xd[b + 1]), acc);
+            }
+            macc = _mm256_fmadd_ps(_mm256_load_ps(G.min), _mm256_loadu_ps(xs + b0), macc);
+        }
+        y[n] = hsum256(_mm256_add_ps(acc, macc));
+    }
+}
+
+/* Q6_K: 16 int8 scales a 256 (one per 16 weights) and d; 6-bit quants unsigned 0-63. A register of 32
+ * quants is one block of x (two sub-blocks, one a 128-bit half): vpmaddubsw's pair sums of q x plus x's
+ * pair sums times -32 (x2, from quantize_x_q8) are the pairs of (q - 32) x, |.| <= 2 * 32 * 128; vpmaddwd
+ * against the sub-blocks' scales (each half its own) makes int32 lanes already scaled by sc, so one float
+ * scale d xd[b] is left for the register. */
+INLINE void rows_q6_k_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t K, const int8_t *restrict xq,
+                         const float *restrict xd, const int32_t *restrict x2, float *restrict y, const int64_t n0,
+                         const int64_t n1) {
+    const int64_t ng = K / QK_K;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m2h = _mm256_set1_epi8(0x0C),
+                  m2hh = _mm256_set1_epi8(0x30);
+    /* the int16 scales of sub-blocks 2c (low half) and 2c + 1 (high half), from 8 scales in both halves */
+    const __m256i pick[4] = {
+        _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
+        _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7),
+        _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
+                         10, 11, 10, 11),
+        _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15,
+                         14, 15, 14, 15, 14, 15, 14, 15),
+    };
+    const int16_t *x2h = (const int16_t *)x2;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *row = w + n * row_bytes;
+        prefetch_ahead(row, row_bytes, n, n1);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; ++g) {
+            const uint8_t *blk = row + g * 210;
+            const float d = fp16(blk + 208);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(qh, m2h), 2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, m2hh)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2hh)),
+                };
+                for (int c = 0; c < 4; ++c) {
+                    const int64_t b = g * 8 + 4 * h + c;
+                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(xq + QK * b))),
+                                                           _mm256_loadu_si256((const __m256i *)(x2h + 16 * b)));
+                    const __m256i dot = _mm256_madd_epi16(pairs, _mm256_shuffle_epi8(sc, pick[c]));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[b]), acc);
+                }
+            }
+        }
+        y[n] = hsum256(acc);
+    }
+}
+
+#endif
