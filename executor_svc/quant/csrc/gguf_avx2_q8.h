@@ -1,12 +1,12 @@
-/* Int8 activations (`--gguf-int8-activations`) on a CPU with AVX2 but without AVX-512 VNNI: the loops of
- * gguf_avx512.h's int8 section, with vpdpbusd (4 byte products summed into each int32 lane) written as
- * vpmaddubsw + vpmaddwd, as llama.cpp's AVX2 loops do. The lanes hold the same integers (no int16
- * saturation: the unsigned operand is a quant of at most 6 bits, |x| <= 127, so a pair's sum is at most
- * 2 * 63 * 127 < 32767), and for Q5_0 and Q4_K the float operations are the same in the same order, so
- * an AVX2 build gives the bits the VNNI build gives. Q6_K scales its lanes by the sub-blocks' integer
- * scales instead (vpmaddwd; one float multiply a block of 32, not two: on the
- * 1B's ffn_down, 2 threads of an AVX2 EPYC, 10.2 -> 16.6 GB/s of weights), the same integers before the last float rounding. Same formats: x rounded to int8 per
- * block of 32, scale max|x| / 127. */
+/* Int8 activations (`--gguf-int8-activations`) on a CPU with AVX2 but without AVX-512 VNNI, as llama.cpp's
+ * AVX2 loops compute them: vpdpbusd (4 byte products summed into each int32 lane) written as vpmaddubsw +
+ * vpmaddwd. The lanes hold the same integers (no int16 saturation: the unsigned operand is a quant of at
+ * most 6 bits, |x| <= 127, so a pair's sum is at most 2 * 63 * 127 < 32767). Q5_0 and Q4_K take the loops
+ * the VNNI build takes (gguf_q8_rows.h), so the two builds give the same bits there. Q6_K has its own loop
+ * here: its lanes are scaled by the sub-blocks' integer scales (vpmaddwd; one float multiply a block of 32,
+ * not two: on the 1B's ffn_down, 2 threads of an AVX2 EPYC, 10.2 -> 16.6 GB/s of weights), the same
+ * integers before the last float rounding. Same formats: x rounded to int8 per block of 32, scale
+ * max|x| / 127. */
 #ifndef PAGODA_GGUF_AVX2_Q8_H
 #define PAGODA_GGUF_AVX2_Q8_H
 
@@ -16,8 +16,6 @@
 INLINE __m256i dot4_add(const __m256i acc, const __m256i u, const __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
-
-INLINE float hsum256(const __m256 v) { return hsum(v); }
 
 INLINE float hmax256(const __m256 v) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -68,65 +66,7 @@ INLINE __m256i q5_0_bytes(const uint8_t *restrict blk) {
     return _mm256_or_si256(nib, _mm256_and_si256(bytes_from_bits(blk + 2), _mm256_set1_epi8(0x10)));
 }
 
-INLINE void tile_q5_0_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t nb,
-                         const int8_t *restrict xq, const float *restrict xd, const int32_t *restrict xc,
-                         float *restrict y, const int64_t n, const int64_t n1, const int R) {
-    __m256 acc[4];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) prefetch_ahead(w + (n + r) * row_bytes, row_bytes, n + r, n1);
-    for (int64_t b = 0; b < nb; ++b) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + QK * b));
-        const __m256i start = _mm256_setr_epi32(xc[b], 0, 0, 0, 0, 0, 0, 0);
-        const float dx = xd[b];
-        for (int r = 0; r < R; ++r) {
-            const uint8_t *blk = w + (n + r) * row_bytes + 22 * b;
-            const __m256i dot = dot4_add(start, q5_0_bytes(blk), xv);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(fp16(blk) * dx), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) y[n + r] = hsum256(acc[r]);
-}
-
-INLINE void rows_q5_0_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t K, const int8_t *restrict xq,
-                         const float *restrict xd, const int32_t *restrict xc, float *restrict y, const int64_t n0,
-                         const int64_t n1) {
-    const int64_t nb = K / QK;
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) tile_q5_0_q8(w, row_bytes, nb, xq, xd, xc, y, n, n1, 4);
-    for (; n < n1; ++n) tile_q5_0_q8(w, row_bytes, nb, xq, xd, xc, y, n, n1, 1);
-}
-
-/* Q4_K: a sub-block of 32 4-bit quants against a block of x, its scale d sc times x's; the mins
- * (-dmin m) against the blocks' sums of the rounded x. */
-INLINE void rows_q4_k_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t K, const int8_t *restrict xq,
-                         const float *restrict xd, const float *restrict xs, float *restrict y, const int64_t n0,
-                         const int64_t n1) {
-    const int64_t ng = K / QK_K;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    group_t G;
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t *row = w + n * row_bytes;
-        prefetch_ahead(row, row_bytes, n, n1);
-        __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; ++g) {
-            decode_group(GGML_Q4_K, row, g, K, &G, 0);
-            const uint8_t *ql = row + g * 144 + 16;
-            const int64_t b0 = g * 8;
-            for (int j = 0; j < 4; ++j) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
-                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                const int64_t b = b0 + 2 * j;
-                const __m256i xlo = _mm256_loadu_si256((const __m256i *)(xq + QK * b));
-                const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xq + QK * b + QK));
-                const __m256i dlo = dot4_add(zero, lo, xlo), dhi = dot4_add(zero, hi, xhi);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_set1_ps(G.scale[2 * j] * xd[b]), acc);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_set1_ps(G.scale[2 * j + 1] * xd[b + 1]), acc);
-            }
-            macc = _mm256_fmadd_ps(_mm256_load_ps(G.min), _mm256_loadu_ps(xs + b0), macc);
-        }
-        y[n] = hsum256(_mm256_add_ps(acc, macc));
-    }
-}
+#include "gguf_q8_rows.h"
 
 /* Q6_K: 16 int8 scales a 256 (one per 16 weights) and d; 6-bit quants unsigned 0-63. A register of 32
  * quants is one block of x (two sub-blocks, one a 128-bit half): vpmaddubsw's pair sums of q x plus x's

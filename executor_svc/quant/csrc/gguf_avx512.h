@@ -269,64 +269,9 @@ INLINE __m256i q5_0_bytes(const uint8_t *restrict blk) {
     return _mm256_mask_add_epi8(nibbles, (__mmask32)qh, nibbles, _mm256_set1_epi8(0x10));
 }
 
-INLINE float hsum256(const __m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
+INLINE __m256i dot4_add(const __m256i acc, const __m256i u, const __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 
-/* Rows [n0, n1) of a Q5_0 W against the int8 row (xq, xd, xc): R rows of W at a time (a constant in
- * each inlined copy), each with its own accumulator. */
-INLINE void tile_q5_0_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t nb,
-                         const int8_t *restrict xq, const float *restrict xd, const int32_t *restrict xc,
-                         float *restrict y, const int64_t n, const int64_t n1, const int R) {
-    __m256 acc[4];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) prefetch_ahead(w + (n + r) * row_bytes, row_bytes, n + r, n1);
-    for (int64_t b = 0; b < nb; ++b) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + QK * b));
-        const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(xc[b]));
-        const float dx = xd[b];
-        for (int r = 0; r < R; ++r) {
-            const uint8_t *blk = w + (n + r) * row_bytes + 22 * b;
-            const __m256i dot = _mm256_dpbusd_epi32(start, q5_0_bytes(blk), xv);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(fp16(blk) * dx), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) y[n + r] = hsum256(acc[r]);
-}
-
-/* Rows [n0, n1) of a Q4_K W against the int8 row: per 256 weights decode_group's scales (d sc) and mins
- * (-(dmin m)), 32 bytes of quants = two sub-blocks (low nibbles, then high), one vpdpbusd each. */
-INLINE void rows_q4_k_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t K, const int8_t *restrict xq,
-                         const float *restrict xd, const float *restrict xs, float *restrict y, const int64_t n0,
-                         const int64_t n1) {
-    const int64_t ng = K / QK_K;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    group_t G;
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t *row = w + n * row_bytes;
-        prefetch_ahead(row, row_bytes, n, n1);
-        __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; ++g) {
-            decode_group(GGML_Q4_K, row, g, K, &G, 0);
-            const uint8_t *ql = row + g * 144 + 16;
-            const int64_t b0 = g * 8;
-            for (int j = 0; j < 4; ++j) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
-                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                const int64_t b = b0 + 2 * j;
-                const __m256i xlo = _mm256_loadu_si256((const __m256i *)(xq + QK * b));
-                const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xq + QK * b + QK));
-                const __m256i dlo = _mm256_dpbusd_epi32(zero, lo, xlo), dhi = _mm256_dpbusd_epi32(zero, hi, xhi);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_set1_ps(G.scale[2 * j] * xd[b]), acc);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_set1_ps(G.scale[2 * j + 1] * xd[b + 1]), acc);
-            }
-            macc = _mm256_fmadd_ps(_mm256_load_ps(G.min), _mm256_loadu_ps(xs + b0), macc);
-        }
-        y[n] = hsum256(_mm256_add_ps(acc, macc));
-    }
-}
+#include "gguf_q8_rows.h"
 
 /* Rows [n0, n1) of a Q6_K W against the int8 row: per 256 weights its 16 scales (d sc, one per 16
  * weights) and four 32-byte registers of 6-bit quants (unsigned, 0-63) a half, each against a block of
@@ -373,14 +318,6 @@ INLINE void rows_q6_k_q8(const uint8_t *restrict w, const int64_t row_bytes, con
     }
 }
 
-INLINE void rows_q5_0_q8(const uint8_t *restrict w, const int64_t row_bytes, const int64_t K, const int8_t *restrict xq,
-                         const float *restrict xd, const int32_t *restrict xc, float *restrict y, const int64_t n0,
-                         const int64_t n1) {
-    const int64_t nb = K / QK;
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) tile_q5_0_q8(w, row_bytes, nb, xq, xd, xc, y, n, n1, 4);
-    for (; n < n1; ++n) tile_q5_0_q8(w, row_bytes, nb, xq, xd, xc, y, n, n1, 1);
-}
 /* ---- Q5_0 against one row of x, float32-grade (the default at one row; gguf_set_digit_activations) -------
  *
  * The float loop (rows_512_1) widens every weight to a float lane: ~12 512-bit operations a block of
