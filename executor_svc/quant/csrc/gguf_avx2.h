@@ -226,6 +226,20 @@ INLINE __m256i k5_high(const __m256i qh, const int s) {
     return _mm256_and_si256(t, _mm256_set1_epi8(0x10));
 }
 
+/* Q6_K: half h (128 weights) of a block's 6-bit quants, unsigned 0-63, as four registers of 32 (each a
+ * block of 32 weights: weights 32 c .. 32 c + 31 of the half in q[c]). */
+INLINE void q6_k_quants(const uint8_t *restrict blk, const int h, __m256i q[4]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m2h = _mm256_set1_epi8(0x0C),
+                  m2hh = _mm256_set1_epi8(0x30);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(qh, m2h), 2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, m2hh));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2hh));
+}
+
 /* Group g of a row (K weights) into G; returns its number of weights (256, or fewer for the
  * last group of a row of 32-weight blocks). with_q 0: the scales and mins only (Q4_K, Q5_K,
  * Q5_0, Q5_1; the others decode their quants regardless). */
@@ -277,21 +291,11 @@ INLINE int decode_group(const int type, const uint8_t *restrict row, const int64
         const float d = fp16(blk + 208);
         bytes_times(blk + 192, 1, d, G->scale);
         bytes_times(blk + 200, 1, d, G->scale + 8);
-        const __m256i m2 = _mm256_set1_epi8(0x03), m2h = _mm256_set1_epi8(0x0C), m2hh = _mm256_set1_epi8(0x30);
         const __m256i bias = _mm256_set1_epi8(32);
         for (int h = 0; h < 2; ++h) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(qh, m2h), 2));
-            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, m2hh));
-            const __m256i q4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2hh));
-            _mm256_store_si256((__m256i *)(G->q + 128 * h), _mm256_sub_epi8(q1, bias));
-            _mm256_store_si256((__m256i *)(G->q + 128 * h + 32), _mm256_sub_epi8(q2, bias));
-            _mm256_store_si256((__m256i *)(G->q + 128 * h + 64), _mm256_sub_epi8(q3, bias));
-            _mm256_store_si256((__m256i *)(G->q + 128 * h + 96), _mm256_sub_epi8(q4, bias));
+            __m256i q[4];
+            q6_k_quants(blk, h, q);
+            for (int c = 0; c < 4; ++c) _mm256_store_si256((__m256i *)(G->q + 128 * h + 32 * c), _mm256_sub_epi8(q[c], bias));
         }
         return QK_K;
     }

@@ -281,8 +281,6 @@ INLINE void rows_q6_k_q8(const uint8_t *restrict w, const int64_t row_bytes, con
                          const float *restrict xd, const int32_t *restrict x4, float *restrict y, const int64_t n0,
                          const int64_t n1) {
     const int64_t ng = K / QK_K;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m2h = _mm256_set1_epi8(0x0C),
-                  m2hh = _mm256_set1_epi8(0x30);
     float sc[16] __attribute__((aligned(32)));
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *row = w + n * row_bytes;
@@ -294,16 +292,8 @@ INLINE void rows_q6_k_q8(const uint8_t *restrict w, const int64_t row_bytes, con
             bytes_times(blk + 192, 1, d, sc);
             bytes_times(blk + 200, 1, d, sc + 8);
             for (int h = 0; h < 2; ++h) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                const __m256i q[4] = {
-                    _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
-                    _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(qh, m2h), 2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, m2hh)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2hh)),
-                };
+                __m256i q[4];
+                q6_k_quants(blk, h, q);
                 for (int c = 0; c < 4; ++c) {
                     const int64_t b = g * 8 + 4 * h + c;
                     const int s0 = 8 * h + 2 * c;
