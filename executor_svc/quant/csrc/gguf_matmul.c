@@ -58,8 +58,9 @@
 #endif
 
 /* Q5_0, Q4_K and Q6_K against one row of x may take int8 activations (gguf_set_int8_activations): the
- * vpdpbusd loops of gguf_avx512.h where the CPU has AVX-512 VNNI, else their AVX2 form (gguf_avx2_q8.h),
- * the same integers and float operations. */
+ * vpdpbusd loops of gguf_avx512.h where the CPU has AVX-512 VNNI, else their AVX2 form (gguf_avx2_q8.h):
+ * the same bits for Q5_0 and Q4_K (gguf_q8_rows.h, shared); Q6_K's AVX2 loop scales by the integer
+ * sub-block scales, and g_x4 holds its int16 pair offsets there. */
 #define GGUF_INT8 GGUF_SIMD
 #if GGUF_SIMD && !GGUF_VNNI
 #include "gguf_avx2_q8.h"
@@ -398,7 +399,7 @@ int gguf_simd(void) { return GGUF_SIMD; }
 int gguf_avx512(void) { return GGUF_AVX512; }
 
 /* Opt-in int8 activations (on != 0): Q5_0, Q4_K and Q6_K weights against one row of x round x to int8
- * per block of 32 and multiply bytes (gguf_avx512.h); every other type and shape keeps float32 x. Returns
+ * per block of 32 and multiply bytes (gguf_avx512.h, gguf_avx2_q8.h); every other type and shape keeps float32 x. Returns
  * whether it is in effect (this build has AVX2, or AVX-512 VNNI). */
 int gguf_set_int8_activations(const int on) {
     g_int8_x = GGUF_INT8 && on != 0;
