@@ -33,6 +33,13 @@ its columns and "new/ref" (GB/s over the reference's) are added (`--clock thread
 
     python bench/bench_gguf_matmul.py --per-byte --rows 1,4,8 --threads-list 1,2 \
         --shapes 3072x1024,1024x3072,2048x8192 --reference /tmp/main-csrc
+
+`--int8-rows` times prompt-sized steps (`--rows`, e.g. 16,64,512) of Q4_K, Q6_K and Q5_0 matrices
+(`--shapes`) in GFLOP/s: the fused float32 loop, dequantize + float32 GEMM and the int8 loops of
+`--gguf-int8-activations`:
+
+    python bench/bench_gguf_matmul.py --int8-rows --rows 16,64,512 --repeats 3 \
+        --shapes 16384x2048,3072x2048,2048x8192
 """
 
 from __future__ import annotations
@@ -219,10 +226,60 @@ def per_byte(args) -> int:
     return 0
 
 
+def int8_rows(args) -> int:
+    """GFLOP/s of a prompt-sized matmul (`--rows` rows of x) per type and shape, three ways: the fused float32
+    loop (at up to `GGUFLinear.fused_max_rows` rows, as the layer takes it), dequantize + float32 GEMM (the
+    layer above that), and the int8 loops of `--gguf-int8-activations`; the best of `--repeats` calls each."""
+    from gguf import GGMLQuantizationType
+
+    from executor_svc.quant.gguf_kernel import get_kernel
+    from executor_svc.quant.gguf_linear import FUSED_MAX_ROWS, GGUFLinear
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernel = get_kernel()
+    if kernel is None or not kernel.int8_activations_supported:
+        print("no GGUF kernel with int8 loops here (no C compiler, or no AVX2)", file=sys.stderr)
+        return 2
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    print(machine_line(machine_info()))
+    rows_out = []
+    for type_name in ("Q4_K", "Q6_K", "Q5_0"):
+        ggml_type = int(GGMLQuantizationType[type_name])
+        for n, k in args.shapes:
+            packed = synthetic_blocks(type_name, n, k, seed=0)
+            linear = GGUFLinear(kernel, k, [(ggml_type, packed)], None)
+            for m in args.rows:
+                x = torch.randn(m, k)
+                flop = 2 * m * n * k / 1e9
+                fused = best(lambda: linear._fused(x)) if m <= FUSED_MAX_ROWS else float("nan")
+                gemm = best(lambda: linear._dequantized_gemm(x))
+                kernel.set_int8_activations(True)
+                try:
+                    int8 = best(lambda: linear._fused(x))
+                finally:
+                    kernel.set_int8_activations(False)
+                rows_out.append([type_name, f"{n}x{k}", m, flop / fused, flop / gemm, flop / int8])
+    print(format_table(["type", "N x K", "rows", "fused float32", "dequantize + GEMM", "int8 loops"], rows_out))
+    print("GFLOP/s (2 M N K a call); the fused loop only up to", FUSED_MAX_ROWS, "rows")
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     if args.per_byte:
         return per_byte(args)
+    if args.int8_rows:
+        return int8_rows(args)
     from gguf import GGMLQuantizationType
 
     from executor_svc.quant.gguf_kernel import get_kernel
@@ -308,6 +365,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall clock, or the calling thread's CPU time (with --threads 1)")
     p.add_argument("--per-byte", action="store_true", help="GB/s per GGML type on synthetic matrices (no file)")
+    p.add_argument("--int8-rows", action="store_true",
+                   help="GFLOP/s at prompt-sized --rows, float32 fused / dequantize + GEMM / int8 loops (--shapes)")
     p.add_argument("--shapes", type=lambda s: [tuple(int(v) for v in p.split("x")) for p in s.split(",")],
                    default=[(3072, 1024), (1024, 3072), (2048, 8192)],
                    help="--per-byte: N x K (out x in; K a multiple of 256), comma-separated")

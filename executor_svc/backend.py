@@ -48,7 +48,7 @@ class BackendOptions:
     # bfloat16 models: a bfloat16 copy of each GGUF weight beside its blocks, for the GEMM rows (batches,
     # prefill; 2 bytes a weight more), instead of dequantizing a tile per call
     gguf_bf16_weights: bool = False
-    # opt-in, changes the numbers: Q5_0, Q4_K, Q6_K weights against one row of x (a decode of one request) with x
+    # opt-in, changes the numbers: Q5_0, Q4_K, Q6_K weights against x (decode steps and prompts) with each row of x
     # rounded to int8 per block of 32, multiplied as bytes (AVX2, or AVX-512 VNNI), as llama.cpp computes every GGUF type
     gguf_int8_activations: bool = False
 

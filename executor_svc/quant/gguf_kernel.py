@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "gguf_matmul.c"
 CFLAGS = (*cbuild.BASE_CFLAGS, "-pthread")  # -march=native: AVX2/FMA/F16C where this CPU has them
 
+INT8_TYPES = frozenset((6, 12, 14))  # Q5_0, Q4_K, Q6_K: the types with int8-activation loops
 I8_ROW = 1000  # the kernel's own int8 layout (not a GGML type): float32 row scale, then int8 values
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -73,13 +74,21 @@ class GGUFKernel:
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def set_int8_activations(self, on: bool) -> bool:
-        """Opt-in int8 activations (`--gguf-int8-activations`): from now on a Q5_0, Q4_K or Q6_K matmul against one
-        row of x rounds x to int8 per block of 32 and multiplies bytes, as llama.cpp does (faster, not the
-        float32 numbers: see gguf_avx512.h); every other type and shape keeps float32 x. Returns
-        whether it is in effect (off: this build has no AVX2 int8 loop). Process-wide, as the
-        kernel is: a Backend sets it from its options."""
+        """Opt-in int8 activations (`--gguf-int8-activations`): from now on a Q5_0, Q4_K or Q6_K matmul rounds
+        each row of x to int8 per block of 32 and multiplies bytes, as llama.cpp does (faster, not the
+        float32 numbers: see gguf_avx512.h); every other type keeps float32 x. A row's product is the same
+        bits whatever the number of rows beside it (gguf_q8_rows.h). Returns whether it is in effect
+        (off: this build has no AVX2 int8 loop). Process-wide, as the kernel is: a Backend sets it from
+        its options."""
         self.int8_activations = bool(self._lib.gguf_set_int8_activations(int(on)))
         return self.int8_activations
+
+    def takes_int8(self, ggml_types: list[int], in_features: int) -> bool:
+        """Whether a weight of these segment types takes the int8 loops at every number of rows of x (then it
+        never needs dequantize + GEMM: the int8 loops ran Q4_K at 81-110 GFLOP/s from 16 to 512 rows against
+        the float32 GEMM's 56-77 with its dequantization, Q6_K at 49-54 against 25-56; 2 threads of an AVX2
+        AMD EPYC, `bench/bench_gguf_matmul.py --int8-rows`)."""
+        return self.int8_activations and in_features <= self.max_k and all(t in INT8_TYPES for t in ggml_types)
 
     def set_digit_activations(self, on: bool) -> bool:
         """Whether a Q5_0 matmul against one row of x carries x as three int8 digits a value (22 bits against

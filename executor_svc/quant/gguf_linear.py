@@ -8,7 +8,9 @@ rows of x, as measured on this machine (the note of #18):
 - few rows (decode steps): the fused kernel, which reads each block once and never
   writes a float32 weight;
 - many rows (prefill chunks): the weight dequantized into float32 (the kernel, vectorised)
-  and one GEMM, which is compute-bound and far faster there than the fused loop.
+  and one GEMM, which is compute-bound and far faster there than the fused loop; with
+  `--gguf-int8-activations`, Q5_0 / Q4_K / Q6_K weights take the kernel's int8 loops at any
+  number of rows instead (faster than the float32 GEMM here: see `GGUFKernel.takes_int8`).
 
 Either way the numbers are those of the dequantized weight times x in float32, as
 transformers computes them after dequantizing the same file (only the summation order
@@ -137,7 +139,8 @@ class GGUFLinear(nn.Module):
             return self._fused(x)  # a decode step's shape: no reshape, no copy
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).float().contiguous()
-        y = self._dequantized_gemm(x) if x.shape[0] > self.fused_max_rows else self._fused(x)
+        many = x.shape[0] > self.fused_max_rows and not self.kernel.takes_int8(self.types, self.in_features)
+        y = self._dequantized_gemm(x) if many else self._fused(x)
         return y.reshape(*lead, self.out_features)
 
     def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:

@@ -320,13 +320,16 @@ def test_family_gguf_decode_steps_through_the_c_path_equal_transformers(kind, tm
         assert windows == {WINDOW} and past_window >= MAX_TOKENS, (windows, past_window)
 
 
-def test_gguf_int8_activations_quality_bound_at_one_row(tmp_path, default_model_dir, monkeypatch):
+@pytest.mark.parametrize("chunk", [1, 16], ids=["one-row-steps", "prompt-chunks"])
+def test_gguf_int8_activations_quality_bound(chunk, tmp_path, default_model_dir, monkeypatch):
     """`--gguf-int8-activations` (opt-in, not transformers' numbers): a tiny Llama GGUF file whose
-    layers are all Q5_0, teacher-forced one token a step (so every step is a one-row step through the
-    C decode path, the shape the int8 loop takes), against the same runner with float32 x: the
-    log-probabilities within 0.1, 0.01 on average (measured max 0.029, mean 0.004), and the same top-1
-    token at >= 90 % of the positions (measured 97.9 %). (The Gemma-3-shaped Q4_K_M file of the
-    benchmarks, Q5_0 and Q4_K layers, one decode step: max 0.033, mean 0.006.)"""
+    layers are all Q5_0, teacher-forced one token a step (every step a one-row step through the C decode
+    path) or 16 a step (prompt chunks: the multi-row int8 loops), against the same runner with float32 x:
+    the log-probabilities within 0.1, 0.01 on average (measured max 0.029, mean 0.004, both ways: a row's
+    int8 product is the same bits in a chunk as alone), and the same top-1 token at >= 90 % of the
+    positions (measured 97.9 %).
+    (The Gemma-3-shaped Q4_K_M file of the benchmarks, Q5_0 and Q4_K layers, one decode step: max 0.033,
+    mean 0.006.)"""
     kernel = get_kernel()
     if kernel is None or not kernel.int8_activations_supported:
         pytest.skip("no int8 loop in this build of the GGUF kernel (no AVX2)")
@@ -346,7 +349,7 @@ def test_gguf_int8_activations_quality_bound_at_one_row(tmp_path, default_model_
         runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
                              backend=BackendOptions(gguf_int8_activations=int8))
         assert kernel.int8_activations == int8 and runner.backend.decode_step is not None
-        return _teacher_forced_logprobs(runner, tokens, chunk_sizes=[1])
+        return _teacher_forced_logprobs(runner, tokens, chunk_sizes=[chunk])
 
     try:
         float_x, int8_x = logprobs(False), logprobs(True)

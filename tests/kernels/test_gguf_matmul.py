@@ -194,7 +194,7 @@ def test_unsupported_shapes_and_types_are_refused():
     assert all(kernel.supports(int(t), 512) for t in TYPES)
 
 
-# -- opt-in int8 activations (`--gguf-int8-activations`): Q5_0, Q4_K and Q6_K against one row of x
+# -- opt-in int8 activations (`--gguf-int8-activations`): Q5_0, Q4_K and Q6_K against rows of x
 
 
 @pytest.fixture
@@ -218,7 +218,7 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 127.0).double()).view_as(x)
 
 
-INT8_TYPES = (T.Q5_0, T.Q4_K, T.Q6_K)  # the types whose one-row matmul takes int8 activations
+INT8_TYPES = (T.Q5_0, T.Q4_K, T.Q6_K)  # the types whose matmuls take int8 activations
 
 
 @pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)
@@ -243,12 +243,12 @@ def test_int8_activations_one_row_is_the_rounded_x_times_the_weight(ggml_type, s
 
 @pytest.mark.parametrize(
     ("ggml_type", "num_rows"),
-    [(t, m) for t in TYPES for m in (1, 2, 9) if not (t in INT8_TYPES and m == 1)],
+    [(t, m) for t in TYPES for m in (1, 2, 9) if t not in INT8_TYPES],
     ids=lambda v: v.name if isinstance(v, T) else str(v),
 )
-def test_int8_activations_leave_other_types_and_rows_to_the_bit(ggml_type, num_rows, int8_x):
-    """Only Q5_0, Q4_K and Q6_K at one row of x take int8 activations: every other type and row count gives the
-    bits it gives with them off."""
+def test_int8_activations_leave_other_types_to_the_bit(ggml_type, num_rows, int8_x):
+    """Only Q5_0, Q4_K and Q6_K take int8 activations: every other type gives, at every row count, the bits it
+    gives with them off."""
     packed = torch.from_numpy(packed_weight(ggml_type, 37, 11 if ggml_type in QUANTIZABLE else 2, seed=7))
     in_features = packed.shape[1] // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
     x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(3))
@@ -257,6 +257,59 @@ def test_int8_activations_leave_other_types_and_rows_to_the_bit(ggml_type, num_r
     off = int8_x.matmul(int(ggml_type), packed, in_features, x)
     int8_x.set_int8_activations(True)
     assert torch.equal(on, off)
+
+
+def int8_rows_case(ggml_type, num_rows: int, seed: int):
+    rows, blocks = 37, 12 if ggml_type == T.Q5_0 else 3
+    packed = torch.from_numpy(packed_weight(ggml_type, rows, blocks, seed=seed))
+    weight = torch.from_numpy(quants.dequantize(packed.numpy(), ggml_type))
+    x = torch.randn(num_rows, weight.shape[1], generator=torch.Generator().manual_seed(seed)) * 2
+    return packed, weight, x
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("num_rows", [2, 4, 7, 9])
+@pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)
+def test_int8_activations_rows_of_x_are_each_the_one_row_product(ggml_type, num_rows, build, request):
+    """Several rows of x (prefill chunks, batched decodes) take the int8 loops too, 4 rows of x a pass over a
+    weight row (gguf_q8_rows.h; 7 and 9 leave partial passes): each row of the product is the bits the one-row
+    loop gives for that row alone, the product of the rounded x, within 1 % of float32 x's."""
+    kernel = get_kernel() if build == "native" else request.getfixturevalue("avx2_kernel")
+    if not kernel.int8_activations_supported:
+        pytest.skip("no int8 loop in this build (no AVX2)")
+    packed, weight, x = int8_rows_case(ggml_type, num_rows, seed=num_rows + 20)
+    assert kernel.set_int8_activations(True)
+    try:
+        got = kernel.matmul(int(ggml_type), packed, weight.shape[1], x)
+        one = [kernel.matmul(int(ggml_type), packed, weight.shape[1], x[m : m + 1].contiguous()) for m in range(num_rows)]
+    finally:
+        kernel.set_int8_activations(False)
+    assert torch.equal(got, torch.cat(one))
+    assert_matmul_close(got, int8_rounded(x).float(), weight)
+    exact = x.double() @ weight.double().T
+    assert ((got.double() - exact).norm() / exact.norm()).item() <= 0.01
+    assert not torch.equal(got, kernel.matmul(int(ggml_type), packed, weight.shape[1], x))  # (int8 ran)
+
+
+@pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)
+def test_int8_activations_take_every_row_count_in_a_linear(ggml_type, int8_x):
+    """A GGUFLinear of int8 types sends rows of x above its fused threshold to the int8 loops, not to
+    dequantize + GEMM (faster there, and a prompt's rows get the numbers its decode steps get); a linear
+    with a type of no int8 loop keeps dequantize + GEMM."""
+    from executor_svc.quant.gguf_linear import GGUFLinear
+
+    packed, weight, x = int8_rows_case(ggml_type, 11, seed=4)
+    linear = GGUFLinear(int8_x, weight.shape[1], [(int(ggml_type), packed)], None)
+    linear.set_row_thresholds(4, 4)
+    got = linear(x)
+    assert torch.equal(got, int8_x.matmul(int(ggml_type), packed, weight.shape[1], x))
+    assert_matmul_close(got, int8_rounded(x).float(), weight)
+    q8 = torch.from_numpy(packed_weight(T.Q8_0, 37, weight.shape[1] // 32, seed=4))
+    other = GGUFLinear(int8_x, weight.shape[1], [(int(ggml_type), packed), (int(T.Q8_0), q8)], None)
+    other.set_row_thresholds(4, 4)
+    assert not int8_x.takes_int8(other.types, weight.shape[1])
+    both = torch.cat([weight, torch.from_numpy(quants.dequantize(q8.numpy(), T.Q8_0))])
+    assert_matmul_close(other(x), x, both)  # float32 x: dequantize + GEMM
 
 
 @pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)

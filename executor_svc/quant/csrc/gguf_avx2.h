@@ -240,6 +240,18 @@ INLINE void q6_k_quants(const uint8_t *restrict blk, const int h, __m256i q[4]) 
     q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2hh));
 }
 
+/* Q6_K against int8 x (gguf_avx2_q8.h, gguf_q8_rows.h): the shuffle that spreads sub-block 2c's int16 scale
+ * over a register's low half and 2c + 1's over its high half, from 8 int16 scales repeated in both halves. */
+INLINE __m256i q6_k_scale_pick(const int c) {
+    const char a = (char)(4 * c), b = (char)(4 * c + 1), e = (char)(4 * c + 2), f = (char)(4 * c + 3);
+    return _mm256_setr_epi8(a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, e, f, e, f, e, f, e, f, e, f, e, f, e, f, e, f);
+}
+
+/* Q6_K's offset against 32 int8 x: -32 times each pair's sum, 16 int16 (the quants are stored + 32). */
+INLINE __m256i q6_k_x_offsets(const __m256i xv) {
+    return _mm256_maddubs_epi16(_mm256_set1_epi8(32), _mm256_sign_epi8(xv, _mm256_set1_epi8(-1)));
+}
+
 /* Group g of a row (K weights) into G; returns its number of weights (256, or fewer for the
  * last group of a row of 32-weight blocks). with_q 0: the scales and mins only (Q4_K, Q5_K,
  * Q5_0, Q5_1; the others decode their quants regardless). */

@@ -55,7 +55,7 @@ INLINE void quantize_x_q8(const float *restrict x, const int64_t K, int8_t *rest
         const int32_t qsum = _mm_cvtsi128_si32(_mm_add_epi32(s1, _mm_shuffle_epi32(s1, _MM_SHUFFLE(2, 3, 0, 1))));
         xc[b] = -16 * qsum;
         xs[b] = xd[b] * (float)qsum;
-        _mm256_storeu_si256((__m256i *)(x4 + 8 * b), _mm256_maddubs_epi16(_mm256_set1_epi8(32), _mm256_sign_epi8(xv, _mm256_set1_epi8(-1))));
+        _mm256_storeu_si256((__m256i *)(x4 + 8 * b), q6_k_x_offsets(xv));
     }
 }
 
@@ -77,15 +77,6 @@ INLINE void rows_q6_k_q8(const uint8_t *restrict w, const int64_t row_bytes, con
                          const float *restrict xd, const int32_t *restrict x2, float *restrict y, const int64_t n0,
                          const int64_t n1) {
     const int64_t ng = K / QK_K;
-    /* the int16 scales of sub-blocks 2c (low half) and 2c + 1 (high half), from 8 scales in both halves */
-    const __m256i pick[4] = {
-        _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
-        _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7),
-        _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
-                         10, 11, 10, 11),
-        _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15,
-                         14, 15, 14, 15, 14, 15, 14, 15),
-    };
     const int16_t *x2h = (const int16_t *)x2;
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *row = w + n * row_bytes;
@@ -102,7 +93,7 @@ INLINE void rows_q6_k_q8(const uint8_t *restrict w, const int64_t row_bytes, con
                     const int64_t b = g * 8 + 4 * h + c;
                     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(xq + QK * b))),
                                                            _mm256_loadu_si256((const __m256i *)(x2h + 16 * b)));
-                    const __m256i dot = _mm256_madd_epi16(pairs, _mm256_shuffle_epi8(sc, pick[c]));
+                    const __m256i dot = _mm256_madd_epi16(pairs, _mm256_shuffle_epi8(sc, q6_k_scale_pick(c)));
                     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[b]), acc);
                 }
             }

@@ -71,4 +71,129 @@ INLINE void rows_q4_k_q8(const uint8_t *restrict w, const int64_t row_bytes, con
     }
 }
 
+/* ---- several rows of x (prefill chunks, batched decode steps): each row of W against every row of x ----
+ * x's rows quantized one by one as for one row (row m: xq + m K, xd / xc / xs + m K / 32, x2 + m K / 2), so
+ * each row of the product equals, to the bit, the one-row loop's on the same x row (same integer dot products,
+ * same float operations in the same order). The weight row's scales are decoded once and its quants unpacked
+ * once per XR rows of x; XR = 4 keeps the accumulators and a register of unpacked quants in the 16 ymm
+ * registers. */
+enum { XR = 4 };
+
+INLINE void tile_q5_0_q8_m(const uint8_t *restrict row, const int64_t K, const int8_t *restrict xq,
+                           const float *restrict xd, const int32_t *restrict xc, float *restrict y, const int64_t ldy,
+                           const int R) {
+    const int64_t nb = K / QK;
+    __m256 acc[XR];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = row + 22 * b;
+        const __m256i wq = q5_0_bytes(blk);
+        const float d = fp16(blk);
+        for (int r = 0; r < R; ++r) {
+            const __m256i start = _mm256_setr_epi32(xc[r * nb + b], 0, 0, 0, 0, 0, 0, 0);
+            const __m256i dot = dot4_add(start, wq, _mm256_loadu_si256((const __m256i *)(xq + r * K + QK * b)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy] = hsum256(acc[r]);
+}
+
+/* sc, mn: the row's sub-block scales (d sc) and mins (-dmin m), K / 32 each, from decode_group */
+INLINE void tile_q4_k_q8_m(const uint8_t *restrict row, const int64_t K, const float *restrict sc,
+                           const float *restrict mn, const int8_t *restrict xq, const float *restrict xd,
+                           const float *restrict xs, float *restrict y, const int64_t ldy, const int R) {
+    const int64_t ng = K / QK_K, nb = K / QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    __m256 acc[XR];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t *ql = row + g * 144 + 16;
+        for (int j = 0; j < 4; ++j) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
+            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            const int64_t b = g * 8 + 2 * j;
+            for (int r = 0; r < R; ++r) {
+                const int8_t *xr = xq + r * K + QK * b;
+                const __m256i dlo = dot4_add(zero, lo, _mm256_loadu_si256((const __m256i *)xr));
+                const __m256i dhi = dot4_add(zero, hi, _mm256_loadu_si256((const __m256i *)(xr + QK)));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_set1_ps(sc[b] * xd[r * nb + b]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_set1_ps(sc[b + 1] * xd[r * nb + b + 1]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        __m256 macc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; ++g)
+            macc = _mm256_fmadd_ps(_mm256_load_ps(mn + 8 * g), _mm256_loadu_ps(xs + r * nb + 8 * g), macc);
+        y[r * ldy] = hsum256(_mm256_add_ps(acc[r], macc));
+    }
+}
+
+/* Q6_K: as gguf_avx2_q8.h's one-row loop (x2: x's pair sums times -32, int16, q6_k_x_offsets) */
+INLINE void tile_q6_k_q8_m(const uint8_t *restrict row, const int64_t K, const int8_t *restrict xq,
+                           const float *restrict xd, const int16_t *restrict x2, float *restrict y, const int64_t ldy,
+                           const int R) {
+    const int64_t ng = K / QK_K, nb = K / QK;
+    __m256 acc[XR];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t *blk = row + g * 210;
+        const float d = fp16(blk + 208);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));
+            __m256i q[4];
+            q6_k_quants(blk, h, q);
+            for (int c = 0; c < 4; ++c) {
+                const int64_t b = g * 8 + 4 * h + c;
+                const __m256i scc = _mm256_shuffle_epi8(sc, q6_k_scale_pick(c));
+                for (int r = 0; r < R; ++r) {
+                    const __m256i pairs =
+                        _mm256_add_epi16(_mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(xq + r * K + QK * b))),
+                                         _mm256_loadu_si256((const __m256i *)(x2 + r * (K / 2) + 16 * b)));
+                    const __m256i dot = _mm256_madd_epi16(pairs, scc);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[r * nb + b]), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy] = hsum256(acc[r]);
+}
+
+/* Rows [n0, n1) of W (Q5_0, Q4_K or Q6_K) against the M int8 rows of x; y[m * ldy + n]. */
+INLINE void rows_q8_m(const int type, const uint8_t *restrict w, const int64_t row_bytes, const int64_t K,
+                      const int64_t M, const int8_t *restrict xq, const float *restrict xd, const int32_t *restrict xc,
+                      const float *restrict xs, const int16_t *restrict x2, float *restrict y, const int64_t ldy,
+                      const int64_t n0, const int64_t n1) {
+    const int64_t nb = K / QK;
+    float sc[MAX_K / QK] __attribute__((aligned(32))), mn[MAX_K / QK] __attribute__((aligned(32)));
+    group_t G;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *row = w + n * row_bytes;
+        prefetch_ahead(row, row_bytes, n, n1);
+        if (type == GGML_Q4_K) {
+            for (int64_t g = 0; g < K / QK_K; ++g) {
+                decode_group(GGML_Q4_K, row, g, K, &G, 0);
+                memcpy(sc + 8 * g, G.scale, 8 * sizeof(float));
+                memcpy(mn + 8 * g, G.min, 8 * sizeof(float));
+            }
+        }
+        for (int64_t m = 0; m < M; m += XR) {
+            const int R = M - m < XR ? (int)(M - m) : XR;
+            const int8_t *q = xq + m * K;
+            float *out = y + m * ldy + n;
+#define PAGODA_Q8_TILE(RR)                                                                                             \
+    if (type == GGML_Q5_0) tile_q5_0_q8_m(row, K, q, xd + m * nb, xc + m * nb, out, ldy, RR);                          \
+    else if (type == GGML_Q4_K) tile_q4_k_q8_m(row, K, sc, mn, q, xd + m * nb, xs + m * nb, out, ldy, RR);           \
+    else tile_q6_k_q8_m(row, K, q, xd + m * nb, x2 + m * (K / 2), out, ldy, RR);
+            switch (R) { /* constant tile heights: the accumulators stay in registers */
+            case 1: PAGODA_Q8_TILE(1) break;
+            case 2: PAGODA_Q8_TILE(2) break;
+            case 3: PAGODA_Q8_TILE(3) break;
+            default: PAGODA_Q8_TILE(XR)
+            }
+#undef PAGODA_Q8_TILE
+        }
+    }
+}
+
 #endif
