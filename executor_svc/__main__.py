@@ -60,8 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_bool_flag(
         p, "--gguf-int8-activations", default=False,
-        help="with a .gguf model on a CPU with AVX2: every matmul of Q5_0, Q4_K and Q6_K weights (decode steps and "
-        "prompts) takes x rounded to int8 per 32 values, as llama.cpp does (faster; not transformers' float32 numbers)",
+        help="with a .gguf model on a CPU with AVX2: every matmul of Q5_0, Q4_K and Q6_K weights (decode steps "
+        "and prompts) takes x rounded to int8 per 32 values, as llama.cpp does (faster; not transformers' float32 "
+        "numbers)",
     )
     add_flag(p, "--num-threads", type=int, default=None, help="torch CPU threads (default: one per physical core; idle threads sleep)")
     add_flag(p, "--executor-id", default="", help="default: host-pid-random")

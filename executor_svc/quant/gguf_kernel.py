@@ -77,17 +77,19 @@ class GGUFKernel:
         """Opt-in int8 activations (`--gguf-int8-activations`): from now on a Q5_0, Q4_K or Q6_K matmul rounds
         each row of x to int8 per block of 32 and multiplies bytes, as llama.cpp does (faster, not the
         float32 numbers: see gguf_avx512.h); every other type keeps float32 x. A row's product is the same
-        bits whatever the number of rows beside it (gguf_q8_rows.h). Returns whether it is in effect
-        (off: this build has no AVX2 int8 loop). Process-wide, as the kernel is: a Backend sets it from
-        its options."""
+        bits whatever the number of rows beside it (gguf_q8_rows.h; Q6_K on a VNNI build: within rounding).
+        Returns whether it is in effect (off: this build has no AVX2 int8 loop). Process-wide, as the kernel
+        is: a Backend sets it from its options."""
         self.int8_activations = bool(self._lib.gguf_set_int8_activations(int(on)))
         return self.int8_activations
 
     def takes_int8(self, ggml_types: list[int], in_features: int) -> bool:
         """Whether a weight of these segment types takes the int8 loops at every number of rows of x (then it
-        never needs dequantize + GEMM: the int8 loops ran Q4_K at 81-110 GFLOP/s from 16 to 512 rows against
-        the float32 GEMM's 56-77 with its dequantization, Q6_K at 49-54 against 25-56; 2 threads of an AVX2
-        AMD EPYC, `bench/bench_gguf_matmul.py --int8-rows`)."""
+        never takes dequantize + GEMM). Measured on 2 threads of an AVX2 AMD EPYC (`bench/bench_gguf_matmul.py
+        --int8-rows`, GFLOP/s, two runs): Q4_K 16,384 x 2,048 and 2,048 x 8,192, int8 98-110 at 16-64 rows and
+        81-86 at 512, against dequantize + GEMM's 19-71 and 56-71; Q6_K 2,048 x 8,192, int8 49-62 at 16-64 rows
+        and 54 at 512, against 25-74 and 56 (the GEMM ahead at 64 rows in one run of two). One path for every
+        row count also gives a prompt's rows the numbers its decode steps get."""
         return self.int8_activations and in_features <= self.max_k and all(t in INT8_TYPES for t in ggml_types)
 
     def set_digit_activations(self, on: bool) -> bool:

@@ -74,7 +74,8 @@ INLINE void rows_q4_k_q8(const uint8_t *restrict w, const int64_t row_bytes, con
 /* ---- several rows of x (prefill chunks, batched decode steps): each row of W against every row of x ----
  * x's rows quantized one by one as for one row (row m: xq + m K, xd / xc / xs + m K / 32, x2 + m K / 2), so
  * each row of the product equals, to the bit, the one-row loop's on the same x row (same integer dot products,
- * same float operations in the same order). The weight row's scales are decoded once and its quants unpacked
+ * same float operations in the same order; not Q6_K on the VNNI build, whose one-row loop multiplies the
+ * float scales d sc by xd: the same integers, other roundings). The weight row's scales are decoded once and its quants unpacked
  * once per XR rows of x; XR = 4 keeps the accumulators and a register of unpacked quants in the 16 ymm
  * registers. */
 enum { XR = 4 };
