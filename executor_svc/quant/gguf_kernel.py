@@ -77,19 +77,16 @@ class GGUFKernel:
         """Opt-in int8 activations (`--gguf-int8-activations`): from now on a Q5_0, Q4_K or Q6_K matmul rounds
         each row of x to int8 per block of 32 and multiplies bytes, as llama.cpp does (faster, not the
         float32 numbers: see gguf_avx512.h); every other type keeps float32 x. A row's product is the same
-        bits whatever the number of rows beside it (gguf_q8_rows.h; Q6_K on a VNNI build: within rounding).
+        bits whatever the number of rows beside it (gguf_q8_rows.h; Q6_K: within float rounding).
         Returns whether it is in effect (off: this build has no AVX2 int8 loop). Process-wide, as the kernel
         is: a Backend sets it from its options."""
         self.int8_activations = bool(self._lib.gguf_set_int8_activations(int(on)))
         return self.int8_activations
 
     def takes_int8(self, ggml_types: list[int], in_features: int) -> bool:
-        """Whether a weight of these segment types takes the int8 loops at every number of rows of x (then it
-        never takes dequantize + GEMM). Measured on 2 threads of an AVX2 AMD EPYC (`bench/bench_gguf_matmul.py
-        --int8-rows`, GFLOP/s, two runs): Q4_K 16,384 x 2,048 and 2,048 x 8,192, int8 98-110 at 16-64 rows and
-        81-86 at 512, against dequantize + GEMM's 19-71 and 56-71; Q6_K 2,048 x 8,192, int8 49-62 at 16-64 rows
-        and 54 at 512, against 25-74 and 56 (the GEMM ahead at 64 rows in one run of two). One path for every
-        row count also gives a prompt's rows the numbers its decode steps get."""
+        """Whether a weight of these segment types takes the int8 loops (with int8 activations on) at any
+        number of rows of x; `GGUFLinear` sends it rows up to `INT8_MAX_ROWS` (measured there), so a prompt's
+        chunks of that size get the numbers its decode steps get."""
         return self.int8_activations and in_features <= self.max_k and all(t in INT8_TYPES for t in ggml_types)
 
     def set_digit_activations(self, on: bool) -> bool:

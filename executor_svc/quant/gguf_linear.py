@@ -9,8 +9,8 @@ rows of x, as measured on this machine (the note of #18):
   writes a float32 weight;
 - many rows (prefill chunks): the weight dequantized into float32 (the kernel, vectorised)
   and one GEMM, which is compute-bound and far faster there than the fused loop; with
-  `--gguf-int8-activations`, Q5_0 / Q4_K / Q6_K weights take the kernel's int8 loops at any
-  number of rows instead (faster than the float32 GEMM here: see `GGUFKernel.takes_int8`).
+  `--gguf-int8-activations`, Q5_0 / Q4_K / Q6_K weights take the kernel's int8 loops up to
+  `INT8_MAX_ROWS` rows instead (faster than the float32 GEMM there: see `GGUFKernel.takes_int8`).
 
 Either way the numbers are those of the dequantized weight times x in float32, as
 transformers computes them after dequantizing the same file (only the summation order
@@ -41,6 +41,12 @@ from executor_svc.quant.gguf_kernel import GGUFKernel
 # The default of `BackendOptions.gguf_fused_max_rows` (PAGODA_GGUF_FUSED_MAX_ROWS for side-by-side runs).
 FUSED_MAX_ROWS = 64
 
+# With `--gguf-int8-activations`, Q5_0 / Q4_K / Q6_K weights take the int8 loops up to this many rows, then
+# dequantize + GEMM. GFLOP/s on 2 threads of an AVX2 AMD EPYC (`bench/bench_gguf_matmul.py --int8-rows`),
+# int8 / dequantize + GEMM: 128 rows Q4_K 16,384 x 2,048 95.5 / 62.5, Q4_K 2,048 x 8,192 90.6 / 75.4, Q6_K
+# 2,048 x 8,192 74.5 / 82.5; 256 rows 81.3 / 66.4, 95.3 / 111.2, 74.7 / 99.1; 512 rows 79.5 / 64.1,
+# 87.0 / 115.1, 64.9 / 100.7 (the int8 loops read each row's x again for every weight row; the GEMM blocks).
+INT8_MAX_ROWS = 128
 
 # bfloat16 x: above this many rows, dequantize a tile into bfloat16 + a bfloat16 GEMM beats the
 # fused float32 kernel. Measured on an AMD EPYC (AVX-512 BF16, no AMX), one thread, the default
@@ -139,7 +145,10 @@ class GGUFLinear(nn.Module):
             return self._fused(x)  # a decode step's shape: no reshape, no copy
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).float().contiguous()
-        many = x.shape[0] > self.fused_max_rows and not self.kernel.takes_int8(self.types, self.in_features)
+        rows = x.shape[0]
+        many = rows > self.fused_max_rows and not (
+            rows <= INT8_MAX_ROWS and self.kernel.takes_int8(self.types, self.in_features)
+        )
         y = self._dequantized_gemm(x) if many else self._fused(x)
         return y.reshape(*lead, self.out_features)
 

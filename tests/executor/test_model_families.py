@@ -326,7 +326,7 @@ def test_gguf_int8_activations_quality_bound(chunk, tmp_path, default_model_dir,
     layers are all Q5_0, teacher-forced one token a step (every step a one-row step through the C decode
     path) or 16 a step (prompt chunks: the multi-row int8 loops), against the same runner with float32 x:
     the log-probabilities within 0.1, 0.01 on average (measured max 0.029, mean 0.004, both ways: a row's
-    int8 product is the same bits in a chunk as alone), and the same top-1 token at >= 90 % of the
+    Q5_0 int8 product is the same bits in a chunk as alone), and the same top-1 token at >= 90 % of the
     positions (measured 97.9 %).
     (The Gemma-3-shaped Q4_K_M file of the benchmarks, Q5_0 and Q4_K layers, one decode step: max 0.033,
     mean 0.006.)"""

@@ -273,8 +273,8 @@ def int8_rows_case(ggml_type, num_rows: int, seed: int):
 def test_int8_activations_rows_of_x_are_each_the_one_row_product(ggml_type, num_rows, build, request):
     """Several rows of x (prefill chunks, batched decodes) take the int8 loops too, 4 rows of x a pass over a
     weight row (gguf_q8_rows.h; 7 and 9 leave partial passes): each row of the product is the bits the one-row
-    loop gives for that row alone (Q6_K on a VNNI build: the same integers, its one-row loop rounding the
-    scales otherwise), the product of the rounded x, within 1 % of float32 x's."""
+    loop gives for that row alone (Q6_K: the same integers, other float roundings: the offset is taken a group
+    at a time), the product of the rounded x, within 1 % of float32 x's."""
     kernel = get_kernel() if build == "native" else request.getfixturevalue("avx2_kernel")
     if not kernel.int8_activations_supported:
         pytest.skip("no int8 loop in this build (no AVX2)")
@@ -286,8 +286,7 @@ def test_int8_activations_rows_of_x_are_each_the_one_row_product(ggml_type, num_
         one = [kernel.matmul(int(ggml_type), packed, k, x[m : m + 1].contiguous()) for m in range(num_rows)]
     finally:
         kernel.set_int8_activations(False)
-    if ggml_type == T.Q6_K and kernel.digit_activations:  # (digits: the build has AVX-512 VNNI)
-        assert_matmul_close(got, int8_rounded(x).float(), weight)
+    if ggml_type == T.Q6_K:
         assert_matmul_close(torch.cat(one), int8_rounded(x).float(), weight)
     else:
         assert torch.equal(got, torch.cat(one))
@@ -298,11 +297,11 @@ def test_int8_activations_rows_of_x_are_each_the_one_row_product(ggml_type, num_
 
 
 @pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)
-def test_int8_activations_take_every_row_count_in_a_linear(ggml_type, int8_x):
-    """A GGUFLinear of int8 types sends rows of x above its fused threshold to the int8 loops, not to
-    dequantize + GEMM (faster there, and a prompt's rows get the numbers its decode steps get); a linear
-    with a type of no int8 loop keeps dequantize + GEMM."""
-    from executor_svc.quant.gguf_linear import GGUFLinear
+def test_int8_activations_take_prompt_rows_in_a_linear(ggml_type, int8_x):
+    """A GGUFLinear of int8 types sends rows of x above its fused threshold, up to INT8_MAX_ROWS, to the
+    int8 loops, not to dequantize + GEMM (faster there, and a prompt chunk's rows get the numbers its decode
+    steps get); more rows, or a linear with a type of no int8 loop, keep dequantize + GEMM."""
+    from executor_svc.quant.gguf_linear import INT8_MAX_ROWS, GGUFLinear
 
     packed, weight, x = int8_rows_case(ggml_type, 11, seed=4)
     linear = GGUFLinear(int8_x, weight.shape[1], [(int(ggml_type), packed)], None)
@@ -310,6 +309,8 @@ def test_int8_activations_take_every_row_count_in_a_linear(ggml_type, int8_x):
     got = linear(x)
     assert torch.equal(got, int8_x.matmul(int(ggml_type), packed, weight.shape[1], x))
     assert_matmul_close(got, int8_rounded(x).float(), weight)
+    many = torch.randn(INT8_MAX_ROWS + 1, weight.shape[1], generator=torch.Generator().manual_seed(6))
+    assert_matmul_close(linear(many), many, weight)  # float32 x: dequantize + GEMM
     q8 = torch.from_numpy(packed_weight(T.Q8_0, 37, weight.shape[1] // 32, seed=4))
     other = GGUFLinear(int8_x, weight.shape[1], [(int(ggml_type), packed), (int(T.Q8_0), q8)], None)
     other.set_row_thresholds(4, 4)

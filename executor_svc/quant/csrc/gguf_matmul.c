@@ -64,8 +64,8 @@ enum { MAX_K = 65536, M_TILE = 4, MAX_THREADS = 64 };
  * vpdpbusd loops of gguf_avx512.h where the CPU has AVX-512 VNNI, else their AVX2 form (gguf_avx2_q8.h):
  * the same bits for Q5_0 and Q4_K (gguf_q8_rows.h, shared); Q6_K's AVX2 loop scales by the integer
  * sub-block scales, and g_x4 holds its int16 pair offsets there. Against several rows: the loops of
- * gguf_q8_rows.h (rows_q8_m), shared by both builds, each row the bits of the one-row loop (on the VNNI
- * build, Q6_K's one-row loop differs in its last float roundings). */
+ * gguf_q8_rows.h (rows_q8_m), shared by both builds, each row the bits of the one-row loop (Q6_K: the same
+ * integers, other float roundings: its several-row loop takes the -32 offset a group at a time). */
 #define GGUF_INT8 GGUF_SIMD
 #if GGUF_SIMD && !GGUF_VNNI
 #include "gguf_avx2_q8.h"
@@ -93,7 +93,8 @@ typedef struct {
     float *y;
     const int64_t *idx; /* dequantize job: row ids (NULL: rows 0..N-1) */
     int dequant;
-    int q8; /* Q5_0 / Q4_K / Q6_K with int8 activations: x quantized into g_xq ... g_x4 (one row), g_mx* (several) */
+    int q8;      /* Q5_0 / Q4_K / Q6_K with int8 activations: x quantized into g_xq ... g_x4 (one row) */
+    int q8_rows; /* ... or into g_mx* (several rows): rows_q8_m */
     int d3; /* Q5_0 at one row of x, x as three int8 digits (g_xd3, g_xsc, g_xoff): the default where VNNI */
     int64_t chunk_rows, chunks;
 } job_t;
@@ -107,11 +108,12 @@ static float g_xd[MAX_K / 32];
 static int32_t g_xc[MAX_K / 32];
 static float g_xs[MAX_K / 32];
 static int32_t g_x4[MAX_K / 4];
-/* The same for several rows of x (q8 with M > 1): row m at m K (xq), m K / 32 (xd, xc, xs), m K / 2 (x2, int16);
- * grown as needed, kept for the process (about 1.6 bytes a value of x: less than x itself). */
+/* The same for several rows of x (q8 with M > 1): row m at m K (xq), m K / 32 (xd, xc, xs), m K / 16 (Q6_K's
+ * sub-block sums, int16); grown as needed, kept for the process (about 1.5 bytes a value of x: less than x). */
 static int8_t *g_mxq;
 static float *g_mxd, *g_mxs;
-static int32_t *g_mxc, *g_mx4;
+static int32_t *g_mxc;
+static int16_t *g_mx16;
 static int64_t g_mx_values;
 #endif
 #if GGUF_VNNI
@@ -121,28 +123,22 @@ static int32_t g_xoff[MAX_K / 4];
 #endif
 
 #if GGUF_INT8
-/* x [M][K] quantized row by row into g_mxq ... g_mx4 as quantize_x_q8 does one row (Q6_K: g_mx4 then holds
- * the int16 pair offsets of gguf_q8_rows.h, which the VNNI build's quantize_x_q8 does not write). Returns 0
- * where the buffers cannot grow (the caller keeps float32 x). */
+/* x [M][K] quantized row by row into g_mxq ... g_mxs as quantize_x_q8 does one row; for Q6_K, g_mx16 holds
+ * each row's sub-block sums (int16, K / 16 a row: q6_k_x_sums). Returns 0 where the buffers cannot grow (the
+ * caller keeps float32 x). */
 static int quantize_rows_q8(const int type, const float *x, const int64_t M, const int64_t K) {
     const int64_t values = M * K;
     if (values > g_mx_values) {
-        free(g_mxq), free(g_mxd), free(g_mxs), free(g_mxc), free(g_mx4);
+        free(g_mxq), free(g_mxd), free(g_mxs), free(g_mxc), free(g_mx16);
         g_mxq = malloc(values), g_mxd = malloc(values / QK * sizeof(float)), g_mxs = malloc(values / QK * sizeof(float));
-        g_mxc = malloc(values / QK * sizeof(int32_t)), g_mx4 = malloc(values / 4 * sizeof(int32_t));
-        g_mx_values = g_mxq && g_mxd && g_mxs && g_mxc && g_mx4 ? values : 0;
+        g_mxc = malloc(values / QK * sizeof(int32_t)), g_mx16 = malloc(values / 16 * sizeof(int16_t));
+        g_mx_values = g_mxq && g_mxd && g_mxs && g_mxc && g_mx16 ? values : 0;
         if (!g_mx_values) return 0;
     }
     for (int64_t m = 0; m < M; ++m) {
         const int64_t o = m * K, ob = m * (K / QK);
-        quantize_x_q8(x + o, K, g_mxq + o, g_mxd + ob, g_mxc + ob, g_mxs + ob, g_mx4 + o / 4);
-#if GGUF_VNNI
-        if (type == GGML_Q6_K)
-            for (int64_t b = 0; b < K / QK; ++b)
-                _mm256_storeu_si256((__m256i *)(g_mx4 + o / 4 + 8 * b), q6_k_x_offsets(_mm256_loadu_si256((const __m256i *)(g_mxq + o + QK * b))));
-#else
-        (void)type;
-#endif
+        quantize_x_q8(x + o, K, g_mxq + o, g_mxd + ob, g_mxc + ob, g_mxs + ob, g_x4); /* (g_x4: scratch here) */
+        if (type == GGML_Q6_K) q6_k_x_sums(g_mxq + o, K, g_mx16 + m * (K / 16));
     }
     return 1;
 }
@@ -202,8 +198,8 @@ INLINE void tiles(const int type, const job_t *j, const int64_t n0, const int64_
     const int simple = type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0 || type == I8_ROW;
     int64_t m0 = 0;
 #if GGUF_INT8
-    if (j->q8 && j->M > 1) {
-        rows_q8_m(type, j->w, j->row_bytes, j->K, j->M, g_mxq, g_mxd, g_mxc, g_mxs, (const int16_t *)g_mx4, j->y, j->ldy,
+    if (j->q8 && j->q8_rows) {
+        rows_q8_m(type, j->w, j->row_bytes, j->K, j->M, g_mxq, g_mxd, g_mxc, g_mxs, g_mx16, j->y, j->ldy,
                   n0, n1);
         return;
     }
@@ -469,15 +465,16 @@ void gguf_matmul_strided(const int type, const uint8_t *w, const int64_t row_byt
     /* (x's integer forms live in arrays of MAX_K values a row: a longer row keeps float32 x) */
     int q8 = g_int8_x && M >= 1 && K <= MAX_K && (type == GGML_Q5_0 || type == GGML_Q4_K || type == GGML_Q6_K);
     const int d3 = !q8 && g_digits_x && M == 1 && K <= MAX_K && type == GGML_Q5_0;
+    const int rows = q8 && M > 1;
 #if GGUF_INT8
-    if (q8 && M == 1) quantize_x_q8(x, K, g_xq, g_xd, g_xc, g_xs, g_x4);
-    if (q8 && M > 1) q8 = quantize_rows_q8(type, x, M, K);
+    if (q8 && !rows) quantize_x_q8(x, K, g_xq, g_xd, g_xc, g_xs, g_x4);
+    if (rows) q8 = quantize_rows_q8(type, x, M, K);
 #endif
 #if GGUF_VNNI
     if (d3) digits_x(x, K, g_xd3, g_xsc, g_xoff);
 #endif
     g_job = (job_t){.type = type, .w = w, .row_bytes = row_bytes, .K = K, .M = M, .N = N, .ldy = ldy, .x = x, .xs = xs,
-                    .y = y, .q8 = q8, .d3 = d3};
+                    .y = y, .q8 = q8, .q8_rows = rows, .d3 = d3};
     run_job(M * K);
 }
 

@@ -72,10 +72,11 @@ INLINE void rows_q4_k_q8(const uint8_t *restrict w, const int64_t row_bytes, con
 }
 
 /* ---- several rows of x (prefill chunks, batched decode steps): each row of W against every row of x ----
- * x's rows quantized one by one as for one row (row m: xq + m K, xd / xc / xs + m K / 32, x2 + m K / 2), so
+ * x's rows quantized one by one as for one row (row m: xq + m K, xd / xc / xs + m K / 32, s16 + m K / 16), so
  * each row of the product equals, to the bit, the one-row loop's on the same x row (same integer dot products,
- * same float operations in the same order; not Q6_K on the VNNI build, whose one-row loop multiplies the
- * float scales d sc by xd: the same integers, other roundings). The weight row's scales are decoded once and its quants unpacked
+ * same float operations in the same order), except Q6_K: the same integers, other float roundings (the
+ * one-row loops add the -32 offset inside each register's integers, which at one row reads fewer bytes; here
+ * it is taken a group at a time). The weight row's scales are decoded once and its quants unpacked
  * once per XR rows of x; XR = 4 keeps the accumulators and a register of unpacked quants in the 16 ymm
  * registers. */
 enum { XR = 4 };
@@ -130,16 +131,29 @@ INLINE void tile_q4_k_q8_m(const uint8_t *restrict row, const int64_t K, const f
     }
 }
 
-/* Q6_K: as gguf_avx2_q8.h's one-row loop (x2: x's pair sums times -32, int16, q6_k_x_offsets) */
+/* Q6_K: 16 int8 scales a 256 (one per 16 weights) and d; 6-bit quants q, unsigned 0-63, weight d sc (q - 32).
+ * A register of 32 quants is one block of x (two sub-blocks, one a 128-bit half): vpmaddubsw's pair sums of
+ * q x (|.| <= 2 * 63 * 128), vpmaddwd against the two sub-blocks' scales, so the int32 lanes are already
+ * scaled by sc and one float scale d xd[b] is left for the register. The -32 offset is taken a group at a
+ * time: vpmaddwd of x's 16 sub-block sums (s16, int16) against the 16 scales gives each of the 8 blocks'
+ * sum of sc x, times -32 d xd[b] into a second accumulator (one vpmaddwd a group, instead of x's pair sums
+ * added to every register). */
 INLINE void tile_q6_k_q8_m(const uint8_t *restrict row, const int64_t K, const int8_t *restrict xq,
-                           const float *restrict xd, const int16_t *restrict x2, float *restrict y, const int64_t ldy,
+                           const float *restrict xd, const int16_t *restrict s16, float *restrict y, const int64_t ldy,
                            const int R) {
     const int64_t ng = K / QK_K, nb = K / QK;
-    __m256 acc[XR];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[XR], cacc[XR];
+    for (int r = 0; r < R; ++r) acc[r] = cacc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; ++g) {
         const uint8_t *blk = row + g * 210;
         const float d = fp16(blk + 208);
+        const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m256 dm32 = _mm256_set1_ps(-32.f * d);
+        for (int r = 0; r < R; ++r) {
+            const __m256i sums = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(s16 + r * (K / 16) + 16 * g)), sc_all);
+            const __m256 dx = _mm256_mul_ps(dm32, _mm256_loadu_ps(xd + r * nb + 8 * g));
+            cacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), dx, cacc[r]);
+        }
         for (int h = 0; h < 2; ++h) {
             const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));
             __m256i q[4];
@@ -148,22 +162,32 @@ INLINE void tile_q6_k_q8_m(const uint8_t *restrict row, const int64_t K, const i
                 const int64_t b = g * 8 + 4 * h + c;
                 const __m256i scc = _mm256_shuffle_epi8(sc, q6_k_scale_pick(c));
                 for (int r = 0; r < R; ++r) {
-                    const __m256i pairs =
-                        _mm256_add_epi16(_mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(xq + r * K + QK * b))),
-                                         _mm256_loadu_si256((const __m256i *)(x2 + r * (K / 2) + 16 * b)));
+                    const __m256i pairs = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(xq + r * K + QK * b)));
                     const __m256i dot = _mm256_madd_epi16(pairs, scc);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[r * nb + b]), acc[r]);
                 }
             }
         }
     }
-    for (int r = 0; r < R; ++r) y[r * ldy] = hsum256(acc[r]);
+    for (int r = 0; r < R; ++r) y[r * ldy] = hsum256(_mm256_add_ps(acc[r], cacc[r]));
+}
+
+/* x's sub-block sums for tile_q6_k_q8_m: s16[i] = the sum of int8 x[16 i .. 16 i + 15] (|.| <= 2,048). */
+INLINE void q6_k_x_sums(const int8_t *restrict xq, const int64_t K, int16_t *restrict s16) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < K / QK; ++b) {
+        /* pairs -> 4-sums (int32, 8 lanes: 4 a sub-block) -> each 128-bit half's sum */
+        const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i *)(xq + QK * b))), ones16);
+        const __m256i s8 = _mm256_hadd_epi32(s4, s4), s16v = _mm256_hadd_epi32(s8, s8);
+        s16[2 * b] = (int16_t)_mm256_extract_epi32(s16v, 0);
+        s16[2 * b + 1] = (int16_t)_mm256_extract_epi32(s16v, 4);
+    }
 }
 
 /* Rows [n0, n1) of W (Q5_0, Q4_K or Q6_K) against the M int8 rows of x; y[m * ldy + n]. */
 INLINE void rows_q8_m(const int type, const uint8_t *restrict w, const int64_t row_bytes, const int64_t K,
                       const int64_t M, const int8_t *restrict xq, const float *restrict xd, const int32_t *restrict xc,
-                      const float *restrict xs, const int16_t *restrict x2, float *restrict y, const int64_t ldy,
+                      const float *restrict xs, const int16_t *restrict s16, float *restrict y, const int64_t ldy,
                       const int64_t n0, const int64_t n1) {
     const int64_t nb = K / QK;
     float sc[MAX_K / QK] __attribute__((aligned(32))), mn[MAX_K / QK] __attribute__((aligned(32)));
@@ -185,7 +209,7 @@ INLINE void rows_q8_m(const int type, const uint8_t *restrict w, const int64_t r
 #define PAGODA_Q8_TILE(RR)                                                                                             \
     if (type == GGML_Q5_0) tile_q5_0_q8_m(row, K, q, xd + m * nb, xc + m * nb, out, ldy, RR);                          \
     else if (type == GGML_Q4_K) tile_q4_k_q8_m(row, K, sc, mn, q, xd + m * nb, xs + m * nb, out, ldy, RR);           \
-    else tile_q6_k_q8_m(row, K, q, xd + m * nb, x2 + m * (K / 2), out, ldy, RR);
+    else tile_q6_k_q8_m(row, K, q, xd + m * nb, s16 + m * (K / 16), out, ldy, RR);
             switch (R) { /* constant tile heights: the accumulators stay in registers */
             case 1: PAGODA_Q8_TILE(1) break;
             case 2: PAGODA_Q8_TILE(2) break;
