@@ -240,6 +240,11 @@ INLINE void q6_k_quants(const uint8_t *restrict blk, const int h, __m256i q[4]) 
     q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2hh));
 }
 
+/* Q6_K: half h's 8 sub-block scales (int8 at blk + 192 + 8 h) as int16, in both 128-bit halves. */
+INLINE __m256i q6_k_half_scales(const uint8_t *restrict blk, const int h) {
+    return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));
+}
+
 /* Q6_K against int8 x (gguf_avx2_q8.h, gguf_q8_rows.h): the shuffle that spreads sub-block 2c's int16 scale
  * over a register's low half and 2c + 1's over its high half, from 8 int16 scales repeated in both halves. */
 INLINE __m256i q6_k_scale_pick(const int c) {

@@ -86,7 +86,7 @@ INLINE void rows_q6_k_q8(const uint8_t *restrict w, const int64_t row_bytes, con
             const uint8_t *blk = row + g * 210;
             const float d = fp16(blk + 208);
             for (int h = 0; h < 2; ++h) {
-                const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));
+                const __m256i sc = q6_k_half_scales(blk, h);
                 __m256i q[4];
                 q6_k_quants(blk, h, q);
                 for (int c = 0; c < 4; ++c) {

@@ -155,7 +155,7 @@ INLINE void tile_q6_k_q8_m(const uint8_t *restrict row, const int64_t K, const i
             cacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), dx, cacc[r]);
         }
         for (int h = 0; h < 2; ++h) {
-            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));
+            const __m256i sc = q6_k_half_scales(blk, h);
             __m256i q[4];
             q6_k_quants(blk, h, q);
             for (int c = 0; c < 4; ++c) {
